@@ -1,0 +1,206 @@
+"""Public functional API: argument handling, autocast, reduction semantics, then the custom ops."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from fused_ce import _validation as check
+from fused_ce import ops
+from fused_ce.reference import GradCoefs
+
+
+class LinearCrossEntropyStats(NamedTuple):
+    """What ``linear_cross_entropy(..., return_stats=True)`` returns.
+
+    ``loss`` is the value returned without ``return_stats``. Per token (``target``'s shape, no
+    gradient): ``lse`` = logsumexp of the token's logits (0 on ignored tokens), ``predicted`` =
+    ``argmax`` of its logits (ties to the lowest index, like ``torch.argmax``; ``ignore_index`` on
+    ignored tokens), ``correct`` = ``predicted == target`` (False on ignored tokens). ``accuracy``
+    is the fraction of non-ignored tokens predicted correctly (nan if there are none) and
+    ``z_loss`` the z-loss term alone, reduced like the loss (None when ``z_loss == 0``).
+    """
+
+    loss: Tensor
+    lse: Tensor
+    predicted: Tensor
+    correct: Tensor
+    accuracy: Tensor
+    z_loss: Optional[Tensor]
+
+
+def _unpack_linear(linear_weight, linear_bias):
+    if isinstance(linear_weight, nn.Linear):
+        if linear_bias is not None:
+            raise ValueError("linear_bias: expected None when linear_weight is an nn.Linear "
+                             "(its own bias is used), got a tensor")
+        return linear_weight.weight, linear_weight.bias
+    return linear_weight, linear_bias
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _cast_for_autocast(tensors, device_type):
+    """Under autocast, ``F.linear`` runs in the autocast dtype; so do we. Outside it, operands
+    must share one dtype. Returns the tensors to compute with and the context to run the op in."""
+    dtype = _autocast_dtype(device_type)
+    if dtype is None:
+        check.check_dtypes(dict(zip(("input", "linear_weight", "linear_bias"), tensors)))
+        return tensors, nullcontext()
+    cast = [None if t is None else t.to(dtype) for t in tensors]
+    return cast, torch.autocast(device_type, enabled=False)
+
+
+def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor], vocab: int,
+                  reduction: str, label_smoothing: float, z_loss: float, acc: torch.dtype):
+    """Per-row coefficients of ``loss_i`` (see ``fused_ce.ops``) reproducing
+    ``F.cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing)``.
+
+    torch's definition, row ``i`` valid (target not ignored), ``eps = label_smoothing``::
+
+        nll_i    = w[t_i] * (lse_i - z_{i,t_i})
+        smooth_i = sum_j w[j] * (lse_i - z_ij)          (w = 1 without class weights)
+        loss     = (1 - eps) * reduce(nll) + eps / V * reduce'(smooth)
+
+    'mean' divides both parts by ``sum_valid w[t_i]`` (the number of valid rows without class
+    weights). The z-loss ``z_loss * lse_i**2`` is averaged over valid rows, unweighted. Returns the coefficients and the 'mean' denominator of the nll part.
+    """
+    valid_f = valid.to(acc)
+    w_t = valid_f if class_weight is None else class_weight.to(acc)[target.clamp(0, vocab - 1)] * valid_f
+    w_sum = float(vocab) if class_weight is None else class_weight.to(acc).sum()
+    ones = torch.ones((), dtype=acc, device=target.device)
+    if reduction == "mean":
+        d_nll = w_t.sum()
+        d_z = valid_f.sum()
+    else:
+        d_nll = d_z = ones
+    # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway.
+    a = torch.where(valid, (1 - label_smoothing) * w_t / d_nll, 0)
+    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0).expand_as(a)
+    e = torch.where(valid, z_loss / d_z, 0).expand_as(a)
+    coefs = GradCoefs(target=a, smooth=c.contiguous(), prob=a + c * w_sum, lse_sq=e.contiguous())
+    return coefs, d_nll
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Union[Tensor, nn.Linear],
+    target: Tensor,
+    *,
+    linear_bias: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    low_memory: bool = False,
+    return_stats: bool = False,
+    process_group=None,
+):
+    """Cross-entropy of a linear layer's output without materializing its logits.
+
+    Exactly::
+
+        F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight=weight,
+                        reduction=reduction, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing)
+
+    computed in row chunks with fp32 accumulation (fp64 for fp64 inputs), plus two options:
+
+    * ``softcap=c``: the logits become ``c * tanh(logits / c)`` after the bias (Gemma-2).
+    * ``z_loss=s``: adds ``s * logsumexp(logits)**2`` for every non-ignored token, reduced like
+      the loss ('mean': over non-ignored tokens, not weighted by ``weight``).
+
+    Shapes: ``input (..., H)``, ``linear_weight (V, H)`` (or an ``nn.Linear``, whose weight and
+    bias are used), ``linear_bias (V,)``, ``target (...)`` int64/int32, ``weight (V,)``.
+    'none' returns ``target``'s shape. The loss is fp32 for fp32/fp16/bf16 inputs (what
+    ``F.cross_entropy`` returns under autocast) and fp64 for fp64 inputs.
+
+    Edge cases as torch: 'mean' over zero non-ignored tokens (or zero rows) is nan, 'sum' is 0;
+    the gradients are then zero. Rows whose target is ``ignore_index`` do no GEMM work.
+    Gradients flow to ``input``, ``linear_weight`` and ``linear_bias``, each only when it
+    requires grad; double backward raises. Under ``torch.autocast`` the computation runs in the
+    autocast dtype; outside it, ``input``/``linear_weight``/``linear_bias`` must share a dtype.
+
+    ``low_memory=True`` bounds the workspace to O(rows) beyond the gradient buffers at some
+    speed cost. ``return_stats=True`` returns :class:`LinearCrossEntropyStats` instead of the
+    loss. ``process_group`` selects the vocab-parallel mode (``fused_ce.distributed``).
+
+    Out-of-range targets raise ``ValueError``; checking them reads one bool from the device
+    (asynchronous device assert while a CUDA graph is captured or torch.compile traces).
+    """
+    linear_weight, linear_bias = _unpack_linear(linear_weight, linear_bias)
+    check.check_linear(input, linear_weight, linear_bias)
+    if process_group is not None:
+        from fused_ce import distributed
+        return distributed.vocab_parallel_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=weight,
+            reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, low_memory=low_memory, return_stats=return_stats,
+            process_group=process_group)
+    vocab = linear_weight.shape[0]
+    check.check_loss_options(target, input, vocab, weight, reduction, ignore_index,
+                             label_smoothing, z_loss, softcap)
+    check.check_target_values(target, vocab, ignore_index)
+
+    (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
+    x = x.reshape(-1, x.shape[-1])
+    t = target.reshape(-1).long()
+    valid = t != ignore_index
+    acc = torch.promote_types(x.dtype, torch.float32)
+    coefs, d_nll = _coefficients(t, valid, weight, vocab, reduction, label_smoothing, z_loss, acc)
+    cw = None if weight is None else weight.to(acc)
+    softcap = None if softcap is None else float(softcap)
+    with_ws = label_smoothing > 0
+    with ctx:
+        if reduction == "none":
+            rows, lse, argmax = ops.linear_ce_rows(
+                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
+            loss = rows.reshape(target.shape)
+        else:
+            grad_on = torch.is_grad_enabled()
+            need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]
+            loss, lse, argmax, *_ = ops.linear_ce_sum(
+                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory)
+            if reduction == "mean":  # torch: 0/0 = nan when no target is valid
+                loss = loss + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+    if not return_stats:
+        return loss
+    return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss)
+
+
+def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss) -> LinearCrossEntropyStats:
+    correct = (argmax == t) & valid
+    accuracy = correct.sum().to(lse.dtype) / valid.sum().to(lse.dtype)
+    z_term = None
+    if z_loss > 0:
+        z_rows = coefs.lse_sq * lse * lse
+        z_term = z_rows.reshape(shape) if loss.dim() > 0 else z_rows.sum()
+    return LinearCrossEntropyStats(loss, lse.reshape(shape), argmax.reshape(shape),
+                                   correct.reshape(shape), accuracy, z_term)
+
+
+def linear_log_softmax(input: Tensor, linear_weight: Union[Tensor, nn.Linear],
+                       linear_bias: Optional[Tensor] = None) -> Tensor:
+    """``F.log_softmax(F.linear(input, linear_weight, linear_bias), dim=-1)`` as one op.
+
+    The bias add and the log-softmax are fused into the GEMM's row chunks (fp32 accumulation);
+    the only full-size tensor is the returned log-probabilities, in the compute dtype (the
+    autocast dtype under ``torch.autocast``, else ``input``'s). Shapes: ``input (..., H)`` ->
+    ``(..., V)``.
+    """
+    linear_weight, linear_bias = _unpack_linear(linear_weight, linear_bias)
+    check.check_linear(input, linear_weight, linear_bias)
+    (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
+    with ctx:
+        out = ops.linear_log_softmax(x.reshape(-1, x.shape[-1]), w, b)
+    return out.reshape(*input.shape[:-1], w.shape[0])

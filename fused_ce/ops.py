@@ -1,0 +1,211 @@
+"""The fused operation as ``torch.library`` custom ops, so ``torch.compile`` sees one op.
+
+The loss of row ``i`` is written through per-row coefficients (computed by ``fused_ce.api`` from
+the reduction, class weights, label smoothing and z-loss)::
+
+    loss_i = prob_i * lse_i - target_i * z_{i,t_i} - smooth_i * sum_j w_j z_ij + lse_sq_i * lse_i**2
+
+Two ops, chosen by how the upstream gradient is shaped:
+
+* ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``. When gradients are needed they are computed in
+  the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep) and scaled by the
+  actual scalar upstream gradient in the backward.
+* ``fused_ce::linear_ce_rows`` -- ``loss_i`` per row (reduction 'none'). The backward recomputes
+  the logits with the saved lse and the coefficients scaled by the per-row upstream gradient.
+
+``fused_ce::linear_log_softmax`` returns the log-probabilities themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fused_ce._dispatch import backend_for
+from fused_ce.reference import GradCoefs, accumulation_dtype
+
+_DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the fused loss is not "
+                    "supported; compute higher-order gradients from explicit logits instead")
+
+
+def _row_loss(stats, coefs: GradCoefs) -> Tensor:
+    lse = stats.lse
+    return (coefs.prob * lse - coefs.target * stats.target_logit
+            - coefs.smooth * stats.weighted_sum + coefs.lse_sq * lse * lse)
+
+
+def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:
+    return like.new_empty(n) if like is not None else torch.empty(n)
+
+
+# --------------------------------------------------------------------------- sum of row losses
+
+@torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())
+def linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                  class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
+                  coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
+                  softcap: Optional[float], with_weighted_sum: bool, need_dx: bool, need_dw: bool,
+                  need_db: bool, low_memory: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty."""
+    coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
+    want = need_dx or need_dw or need_db
+    stats = backend_for(x).forward(
+        x, weight, bias, target, ignore_index, softcap, class_weight,
+        with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
+        need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
+        low_memory=low_memory)
+    loss = _row_loss(stats, coefs).sum()
+    grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
+    return (loss, stats.lse.clone(), stats.argmax.clone(), *grads)
+
+
+@linear_ce_sum.register_fake
+def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob, coef_lse_sq,
+      ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db, low_memory):
+    acc = accumulation_dtype(x.dtype)
+    n = x.shape[0]
+    return (x.new_empty((), dtype=acc), x.new_empty(n, dtype=acc),
+            x.new_empty(n, dtype=torch.long),
+            x.new_empty(x.shape) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else x.new_empty(0),
+            bias.new_empty(bias.shape) if (need_db and bias is not None) else x.new_empty(0))
+
+
+def _sum_setup(ctx, inputs, output):
+    _, lse, argmax, dx, dw, db = output
+    ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
+    ctx.save_for_backward(dx, dw, db)
+
+
+def _sum_backward(ctx, g_loss, *_):
+    if torch.is_grad_enabled():
+        raise RuntimeError(_DOUBLE_BACKWARD)
+    dx, dw, db = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    scale = lambda grad: g_loss.to(grad.dtype) * grad  # noqa: E731  (upstream grad is a scalar)
+    return (scale(dx) if need[0] else None, scale(dw) if need[1] else None,
+            scale(db) if need[2] else None) + (None,) * 13
+
+
+torch.library.register_autograd("fused_ce::linear_ce_sum", _sum_backward, setup_context=_sum_setup)
+
+
+# --------------------------------------------------------------------------- per-row losses
+
+@torch.library.custom_op("fused_ce::linear_ce_rows", mutates_args=())
+def linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                   class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
+                   coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
+                   softcap: Optional[float], with_weighted_sum: bool, low_memory: bool
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(row losses, lse, argmax)."""
+    coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
+    stats = backend_for(x).forward(x, weight, bias, target, ignore_index, softcap, class_weight,
+                                   with_weighted_sum=with_weighted_sum, low_memory=low_memory)
+    return _row_loss(stats, coefs), stats.lse.clone(), stats.argmax.clone()
+
+
+@linear_ce_rows.register_fake
+def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob, coef_lse_sq,
+      ignore_index, softcap, with_weighted_sum, low_memory):
+    acc = accumulation_dtype(x.dtype)
+    n = x.shape[0]
+    return (x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc), x.new_empty(n, dtype=torch.long))
+
+
+@torch.library.custom_op("fused_ce::linear_ce_rows_backward", mutates_args=())
+def linear_ce_rows_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                            class_weight: Optional[Tensor], coef_target: Tensor,
+                            coef_smooth: Tensor, coef_prob: Tensor, coef_lse_sq: Tensor,
+                            lse: Tensor, ignore_index: int, softcap: Optional[float],
+                            need_dx: bool, need_dw: bool, need_db: bool, low_memory: bool
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
+    grads = backend_for(x).backward(x, weight, bias, target, ignore_index, softcap, class_weight,
+                                    lse, coefs, need_dx=need_dx, need_dw=need_dw,
+                                    need_db=need_db and bias is not None, low_memory=low_memory)
+    return tuple(g if g is not None else _empty(x) for g in grads)
+
+
+@linear_ce_rows_backward.register_fake
+def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob, coef_lse_sq,
+      lse, ignore_index, softcap, need_dx, need_dw, need_db, low_memory):
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else x.new_empty(0),
+            bias.new_empty(bias.shape) if (need_db and bias is not None) else x.new_empty(0))
+
+
+def _rows_setup(ctx, inputs, output):
+    _, lse, argmax = output
+    ctx.mark_non_differentiable(lse, argmax)
+    (x, weight, bias, target, class_weight, *coefs) = inputs[:9]
+    ctx.options = inputs[9:]  # ignore_index, softcap, with_weighted_sum, low_memory
+    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, *coefs)
+
+
+def _rows_backward(ctx, g_rows, *_):
+    if torch.is_grad_enabled():
+        raise RuntimeError(_DOUBLE_BACKWARD)
+    x, weight, bias, target, class_weight, lse, *coefs = ctx.saved_tensors
+    ignore_index, softcap, _, low_memory = ctx.options
+    need = ctx.needs_input_grad
+    g = g_rows.to(coefs[0].dtype)
+    dx, dw, db = linear_ce_rows_backward(
+        x, weight, bias, target, class_weight, *(c * g for c in coefs), lse, ignore_index,
+        softcap, need[0], need[1], need[2], low_memory)
+    return (dx if need[0] else None, dw if need[1] else None,
+            db if need[2] and bias is not None else None) + (None,) * 10
+
+
+torch.library.register_autograd("fused_ce::linear_ce_rows", _rows_backward,
+                                setup_context=_rows_setup)
+
+
+# --------------------------------------------------------------------------- log-softmax
+
+@torch.library.custom_op("fused_ce::linear_log_softmax", mutates_args=())
+def linear_log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return backend_for(x).log_softmax(x, weight, bias)
+
+
+@linear_log_softmax.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _lsm_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, output)
+
+
+def _lsm_backward(ctx, g_out):
+    """d log_softmax: dz = g - softmax * sum_j g_j, then the three linear-layer GEMMs, in row
+    chunks so that only one chunk of dz lives at a time."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(_DOUBLE_BACKWARD)
+    x, weight, out = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    acc = accumulation_dtype(x.dtype)
+    dx = torch.empty_like(x) if need[0] else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need[1] else None
+    db = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if (need[2] and ctx.has_bias) else None
+    step = max(1, (32 << 20) // (4 * max(1, weight.shape[0])))
+    for s in range(0, x.shape[0], step):
+        g = g_out[s:s + step].to(acc)
+        dz = g - out[s:s + step].to(acc).exp() * g.sum(1, keepdim=True)
+        if dx is not None:
+            dx[s:s + step] = (dz.to(weight.dtype) @ weight).to(x.dtype)
+        if dw is not None:
+            dw.addmm_(dz.t(), x[s:s + step].to(acc))
+        if db is not None:
+            db.add_(dz.sum(0))
+    return (dx, None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(weight.dtype))
+
+
+torch.library.register_autograd("fused_ce::linear_log_softmax", _lsm_backward,
+                                setup_context=_lsm_setup)

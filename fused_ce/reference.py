@@ -1,0 +1,229 @@
+"""Chunked pure-PyTorch backend: the path on every device without a Triton kernel, and the
+numerical oracle the kernels are tested against.
+
+Backend contract (``fused_ce.kernels`` implements the same three functions for CUDA)
+==================================================================================
+
+Notation: ``x (N, H)``, ``weight (V, H)``, ``bias (V,)`` or None, ``target (N,)`` int64.
+Row ``i`` is *ignored* when ``target[i] == ignore_index``; ignored rows do no GEMM work and get
+zeros everywhere. A target outside ``[0, V)`` that is not ``ignore_index`` means "this row has no
+target column in this weight" (used by the vocab-parallel path, where each rank holds a slice of
+the vocabulary): the row is processed, its target logit is 0 and no one-hot term is subtracted.
+
+Logits of a processed row, computed with fp32 (fp64 for fp64 inputs) accumulation::
+
+    z_ij = x_i . W_j + b_j                      (then  z = softcap * tanh(z / softcap)  if set)
+
+``forward`` returns per-row statistics (all fp32, or fp64 for fp64 inputs; zeros on ignored rows)::
+
+    lse_i           = log sum_j exp(z_ij)
+    target_logit_i  = z_{i, t_i}                (0 if t_i is not a column of this weight)
+    weighted_sum_i  = sum_j w_j z_ij            (w = class_weight, or all ones; only if
+                                                 ``with_weighted_sum``, else zeros)
+    max_logit_i     = max_j z_ij,  argmax_i = first j attaining it (torch.argmax's tie rule);
+                      argmax is ``ignore_index`` on ignored rows
+
+Gradients use four per-row coefficients ``GradCoefs(target, smooth, prob, lse_sq)`` -- the
+derivative of the row loss  a*(lse - z_t) + c*(W*lse - weighted_sum) + e*lse**2  (W = sum_j w_j
+over the *whole* vocabulary) with respect to the logits is::
+
+    dz_ij = (prob_i + 2 * lse_sq_i * lse_i) * p_ij - target_i * [j == t_i] - smooth_i * w_j
+    with  p_ij = exp(z_ij - lse_i),  prob_i = a_i + c_i * W,  target_i = a_i,  smooth_i = c_i,
+          lse_sq_i = e_i,
+
+times ``1 - (z_ij / softcap)**2`` when a softcap is set. Then ``dx = dz @ W``, ``dW = dz.T @ x``,
+``db = dz.sum(0)``, each accumulated in fp32 and returned in the dtype of its input.
+
+* ``forward(..., coefs=GradCoefs, need_dx/need_dw/need_db)`` also returns those gradients,
+  computed from the lse of the same pass (three GEMM-equivalents in one sweep).
+* ``backward(..., lse, coefs, ...)`` recomputes the logits and returns them (the lse comes from an
+  earlier ``forward``; used when the upstream gradient is per row, and by the vocab-parallel path
+  whose lse is global).
+* ``log_softmax(x, weight, bias)`` returns ``log_softmax(x @ W.T + b)`` in ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+# Bytes of logits-sized fp32 workspace one row chunk may use. Big enough for efficient GEMMs,
+# small enough that the whole forward+backward stays far below the logits' size.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+LOW_MEMORY_CHUNK_BYTES = 4 * 2**20
+
+
+class GradCoefs(NamedTuple):
+    """Per-row coefficients of the logits gradient (see the module docstring)."""
+
+    target: Tensor
+    smooth: Tensor
+    prob: Tensor
+    lse_sq: Tensor
+
+
+class RowStats(NamedTuple):
+    lse: Tensor
+    target_logit: Tensor
+    weighted_sum: Tensor
+    max_logit: Tensor
+    argmax: Tensor
+    dx: Optional[Tensor] = None
+    dw: Optional[Tensor] = None
+    db: Optional[Tensor] = None
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bfloat16/float32 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -> int:
+    budget = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    per_row = max(1, vocab) * torch.finfo(dtype).bits // 8 * buffers
+    return max(1, budget // per_row)
+
+
+def _processed_rows(target: Tensor, ignore_index: int) -> Tensor:
+    return (target != ignore_index).nonzero().squeeze(1)
+
+
+def _local_targets(target_rows: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """(column index clamped into range, mask of rows whose target is a column of this weight)."""
+    has = (target_rows >= 0) & (target_rows < vocab)
+    return torch.where(has, target_rows, torch.zeros_like(target_rows)), has
+
+
+class _Chunker:
+    """Computes the logits of row chunks and their gradients, sharing one code path between
+    ``forward`` (lse from the same chunk) and ``backward`` (lse given)."""
+
+    def __init__(self, x, weight, bias, class_weight, softcap):
+        self.acc = accumulation_dtype(x.dtype)
+        # One up-cast copy of the weight (a no-op for fp32/fp64) keeps every GEMM in `acc`.
+        self.weight = weight.to(self.acc)
+        self.bias = None if bias is None else bias.to(self.acc)
+        self.class_weight = None if class_weight is None else class_weight.to(self.acc)
+        self.softcap = softcap
+        self.x = x
+
+    def logits(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        xc = self.x.index_select(0, rows).to(self.acc)
+        if self.bias is None:
+            z = xc @ self.weight.t()
+        else:
+            z = torch.addmm(self.bias, xc, self.weight.t())
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return xc, z
+
+    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows) -> Tensor:
+        """Overwrites the chunk's logits ``z`` with dz (module docstring)."""
+        target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
+        cap_factor = None
+        if self.softcap is not None:  # d(c*tanh(u/c))/du = 1 - tanh^2 = 1 - (z/c)^2
+            cap_factor = (z / self.softcap).square_().neg_().add_(1)
+        alpha = prob_c + 2 * lse_sq_c * lse
+        z.sub_(lse[:, None]).exp_().mul_(alpha[:, None])
+        rows = torch.arange(z.shape[0], device=z.device)
+        z.index_put_((rows, tgt), -(target_c * has_tgt), accumulate=True)
+        if self.class_weight is None:
+            z.sub_(smooth_c[:, None])
+        else:
+            z.addr_(smooth_c, self.class_weight, alpha=-1)
+        if cap_factor is not None:
+            z.mul_(cap_factor)
+        return z
+
+
+def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in, coefs,
+         with_weighted_sum, need_dx, need_dw, need_db, low_memory):
+    n, vocab = x.shape[0], weight.shape[0]
+    ch = _Chunker(x, weight, bias, class_weight, softcap)
+    acc = ch.acc
+    want_grads = coefs is not None and (need_dx or need_dw or need_db)
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if want_grads and need_dx else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
+    db = torch.zeros(vocab, dtype=acc, device=x.device) if want_grads and need_db else None
+
+    stats_wanted = lse_in is None
+    if stats_wanted:
+        lse = torch.zeros(n, dtype=acc, device=x.device)
+        target_logit = torch.zeros_like(lse)
+        weighted_sum = torch.zeros_like(lse)
+        max_logit = torch.zeros_like(lse)
+        argmax = torch.full((n,), ignore_index, dtype=torch.long, device=x.device)
+
+    rows_all = _processed_rows(target, ignore_index)
+    step = _chunk_rows(vocab, acc, 2 if softcap is not None else 1, low_memory)
+    for start in range(0, rows_all.numel(), step):
+        rows = rows_all[start:start + step]
+        xc, z = ch.logits(rows)
+        tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
+        if stats_wanted:
+            lse_c = torch.logsumexp(z, dim=1)
+            lse.index_copy_(0, rows, lse_c)
+            zt = z.gather(1, tgt[:, None]).squeeze(1) * has_tgt
+            target_logit.index_copy_(0, rows, zt)
+            if with_weighted_sum:
+                ws = z.sum(1) if ch.class_weight is None else z @ ch.class_weight
+                weighted_sum.index_copy_(0, rows, ws)
+            mx, am = z.max(dim=1)
+            max_logit.index_copy_(0, rows, mx)
+            argmax.index_copy_(0, rows, am)
+        else:
+            lse_c = lse_in.index_select(0, rows).to(acc)
+        if not want_grads:
+            continue
+        dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs])
+        if dx is not None:
+            dx.index_copy_(0, rows, dz @ ch.weight)
+        if dw is not None:
+            dw.addmm_(dz.t(), xc)
+        if db is not None:
+            db.add_(dz.sum(0))
+
+    grads = (
+        None if dx is None else dx.to(x.dtype),
+        None if dw is None else dw.to(weight.dtype),
+        None if db is None else db.to(bias.dtype if bias is not None else weight.dtype),
+    )
+    if not stats_wanted:
+        return grads
+    return RowStats(lse, target_logit, weighted_sum, max_logit, argmax, *grads)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+            softcap: Optional[float], class_weight: Optional[Tensor], *,
+            with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
+            need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
+            low_memory: bool = False) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given."""
+    return _run(x, weight, bias, target, ignore_index, softcap, class_weight, lse_in=None,
+                coefs=coefs, with_weighted_sum=with_weighted_sum, need_dx=need_dx,
+                need_dw=need_dw, need_db=need_db, low_memory=low_memory)
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+             softcap: Optional[float], class_weight: Optional[Tensor], lse: Tensor,
+             coefs: GradCoefs, *, need_dx: bool, need_dw: bool, need_db: bool,
+             low_memory: bool = False):
+    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse``."""
+    return _run(x, weight, bias, target, ignore_index, softcap, class_weight, lse_in=lse,
+                coefs=coefs, with_weighted_sum=False, need_dx=need_dx, need_dw=need_dw,
+                need_db=need_db, low_memory=low_memory)
+
+
+def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``log_softmax(x @ weight.T + bias, -1)`` in ``x``'s dtype, one row chunk at a time."""
+    n, vocab = x.shape[0], weight.shape[0]
+    out = torch.empty((n, vocab), dtype=x.dtype, device=x.device)
+    ch = _Chunker(x, weight, bias, None, None)
+    step = _chunk_rows(vocab, ch.acc, 1, False)
+    for start in range(0, n, step):
+        rows = torch.arange(start, min(n, start + step), device=x.device)
+        _, z = ch.logits(rows)
+        out[start:start + rows.numel()] = z.sub_(torch.logsumexp(z, 1, keepdim=True))
+    return out

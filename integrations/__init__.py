@@ -1,0 +1,1 @@
+"""Framework adapters (HuggingFace, Lightning); they call only fused_ce's public API."""

@@ -1,0 +1,64 @@
+"""torch.compile(fullgraph=True) sees one custom op: no graph break, same numbers; opcheck."""
+
+import pytest
+import torch
+
+import fused_ce
+from fused_ce import ops
+from tests.oracle import cross_entropy64, rel_err
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 41)
+
+    def forward(self, x, t):
+        h = torch.tanh(self.body(x))
+        return fused_ce.linear_cross_entropy(h, self.head.weight, t, linear_bias=self.head.bias,
+                                             label_smoothing=0.1, z_loss=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph(backend):
+    torch.manual_seed(torch.seed() % 2**31)
+    model = TinyLM()
+    x = torch.randn(3, 7, 16)
+    t = torch.randint(0, 41, (3, 7))
+    t[0, 0] = -100
+    eager = model(x, t)
+    eager.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    loss = compiled(x, t)
+    loss.backward()
+    assert rel_err(loss, eager) < 1e-6
+    for p, g in zip(model.parameters(), grads):
+        assert rel_err(p.grad, g) < 1e-5
+
+
+def _op_args(n=5, h=7, v=11, bias=True):
+    x = torch.randn(n, h, requires_grad=True)
+    w = torch.randn(v, h, requires_grad=True)
+    b = torch.randn(v, requires_grad=True) if bias else None
+    t = torch.randint(0, v, (n,))
+    t[1] = -100
+    coefs = [torch.rand(n) for _ in range(4)]
+    return x, w, b, t, coefs
+
+
+def test_opcheck_custom_ops():
+    x, w, b, t, coefs = _op_args()
+    torch.library.opcheck(ops.linear_ce_rows, (x, w, b, t, None, *coefs, -100, 5.0, True, False))
+    torch.library.opcheck(ops.linear_ce_sum,
+                          (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False))
+    torch.library.opcheck(ops.linear_log_softmax, (x, w, b))
+
+
+def test_compiled_log_softmax():
+    x = torch.randn(4, 8)
+    w = torch.randn(13, 8)
+    f = torch.compile(lambda a, c: fused_ce.linear_log_softmax(a, c), fullgraph=True, backend="aot_eager")
+    assert rel_err(f(x, w), (x.double() @ w.double().T).log_softmax(-1)) < 1e-6

@@ -1,0 +1,210 @@
+"""linear_cross_entropy against the fp64 PyTorch oracle: values and every gradient."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fused_ce
+from fused_ce import reference
+from tests.oracle import cross_entropy64, rel_err
+
+
+def _case(draw_or_params, seed):
+    p = draw_or_params
+    g = torch.Generator().manual_seed(seed)
+    shape = p["shape"]
+    H, V = p["H"], p["V"]
+    dtype = p["dtype"]
+    x = torch.randn(*shape, H, generator=g, dtype=dtype)
+    W = torch.randn(V, H, generator=g, dtype=dtype) / math.sqrt(H) * p["w_scale"]
+    b = torch.randn(V, generator=g, dtype=dtype) * p["bias_scale"] if p["bias"] else None
+    t = torch.randint(0, V, shape, generator=g)
+    ignore = torch.rand(shape, generator=g) < p["ignore_frac"]
+    t[ignore] = p["ignore_index"]
+    cw = torch.rand(V, generator=g, dtype=dtype) + 0.1 if p["class_weight"] else None
+    return x, W, b, t, cw
+
+
+params = st.fixed_dictionaries({
+    "shape": st.sampled_from([(0,), (1,), (7,), (33,), (3, 5), (2, 3, 4)]),
+    "H": st.sampled_from([1, 5, 16, 67]),
+    "V": st.sampled_from([2, 3, 31, 97, 128]),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+    "w_scale": st.sampled_from([1.0, 8.0]),
+    "bias": st.booleans(),
+    "bias_scale": st.sampled_from([1.0, 30.0]),
+    "ignore_frac": st.sampled_from([0.0, 0.3, 1.0]),
+    "ignore_index": st.sampled_from([-100, 0]),
+    "class_weight": st.booleans(),
+    "reduction": st.sampled_from(["mean", "sum", "none"]),
+    "label_smoothing": st.sampled_from([0.0, 0.1, 1.0]),
+    "z_loss": st.sampled_from([0.0, 1e-3]),
+    "softcap": st.sampled_from([None, 3.0, 30.0]),
+    "grads": st.sampled_from(["all", "x", "head", "weight_only", "none"]),
+    "target_dtype": st.sampled_from([torch.int64, torch.int32]),
+})
+
+
+def _tol(dtype):
+    return 2e-5 if dtype == torch.float32 else 1e-10
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=params, seed=st.integers(0, 2**31 - 1))
+def test_matches_fp64_oracle(p, seed):
+    x, W, b, t, cw = _case(p, seed)
+    req = {"all": (1, 1, 1), "x": (1, 0, 0), "head": (0, 1, 1), "weight_only": (0, 1, 0),
+           "none": (0, 0, 0)}[p["grads"]]
+    for tensor, r in zip((x, W, b), req):
+        if tensor is not None:
+            tensor.requires_grad_(bool(r))
+    opts = dict(reduction=p["reduction"], ignore_index=p["ignore_index"],
+                label_smoothing=p["label_smoothing"], z_loss=p["z_loss"], softcap=p["softcap"])
+    got = fused_ce.linear_cross_entropy(x, W, t.to(p["target_dtype"]), linear_bias=b, weight=cw,
+                                        **opts)
+    want = cross_entropy64(x, W, t, bias=b, class_weight=cw, **opts)
+    assert got.shape == want.shape
+    assert got.dtype == torch.promote_types(x.dtype, torch.float32)
+    tol = _tol(p["dtype"])
+    if want.numel() and torch.isnan(want).all():
+        assert torch.isnan(got).all()
+    else:
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        ok = ~torch.isnan(want)
+        assert rel_err(got[ok], want[ok]) <= tol
+
+    inputs = [t_ for t_ in (x, W, b) if t_ is not None and t_.requires_grad]
+    if not inputs or not got.requires_grad:
+        assert not inputs
+        return
+    upstream = torch.randn(want.shape, dtype=torch.float64) * 3
+    want_grads = torch.autograd.grad(want, inputs, upstream)
+    got_grads = torch.autograd.grad(got, inputs, upstream.to(got.dtype))
+    for gg, wg in zip(got_grads, want_grads):
+        assert gg.dtype == p["dtype"] and gg.shape == wg.shape
+        if torch.isnan(wg).any():  # mean over nothing: torch's grads are nan or 0 -- match either
+            assert torch.isnan(gg).any() or torch.count_nonzero(gg) == 0
+            continue
+        assert rel_err(gg, wg) <= tol or (wg.norm() == 0 and gg.norm() == 0)
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_many_chunks_match_one_chunk(monkeypatch, low_memory):
+    """Chunk boundaries (tiny budget: a few rows per chunk) do not change the result."""
+    monkeypatch.setattr(reference, "DEFAULT_CHUNK_BYTES", 3 * 97 * 4)
+    monkeypatch.setattr(reference, "LOW_MEMORY_CHUNK_BYTES", 2 * 97 * 4)
+    p = dict(shape=(41,), H=300, V=97, dtype=torch.float64, w_scale=4.0, bias=True,
+             bias_scale=5.0, ignore_frac=0.4, ignore_index=-100, class_weight=True)
+    x, W, b, t, cw = _case(p, torch.seed() % 2**31)
+    for r in (x, W, b):
+        r.requires_grad_(True)
+    opts = dict(label_smoothing=0.2, z_loss=1e-2, softcap=20.0)
+    got = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, weight=cw, low_memory=low_memory, **opts)
+    want = cross_entropy64(x, W, t, bias=b, class_weight=cw, **opts)
+    assert rel_err(got, want) < 1e-12
+    for gg, wg in zip(torch.autograd.grad(got, (x, W, b)), torch.autograd.grad(want, (x, W, b))):
+        assert rel_err(gg, wg) < 1e-11
+
+
+def test_module_and_nn_linear_forms_agree():
+    torch.manual_seed(torch.seed() % 2**31)
+    head = torch.nn.Linear(24, 37)
+    x = torch.randn(2, 9, 24, requires_grad=True)
+    t = torch.randint(0, 37, (2, 9))
+    t[0, :4] = -100
+    cw = torch.rand(37) + 0.5
+    crit = fused_ce.FusedCrossEntropy(weight=cw, label_smoothing=0.1)
+    a = crit(x, head.weight, t, head.bias)
+    b = fused_ce.linear_cross_entropy(x, head, t, weight=cw, label_smoothing=0.1)
+    want = cross_entropy64(x, head.weight, t, bias=head.bias, class_weight=cw, label_smoothing=0.1)
+    assert rel_err(a, want) < 2e-6 and torch.equal(a, b)
+    a.backward()
+    gx = x.grad.clone()
+    x.grad = None
+    want.backward()
+    assert rel_err(gx, x.grad) < 1e-5
+
+
+def test_large_bias_and_logits_are_stable():
+    """Logits of magnitude 1e4 (large bias): fp32 lse must not overflow."""
+    torch.manual_seed(torch.seed() % 2**31)
+    x = torch.randn(16, 40)
+    W = torch.randn(61, 40)
+    b = torch.randn(61) * 1e4
+    t = torch.randint(0, 61, (16,))
+    got = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction="none")
+    want = cross_entropy64(x, W, t, bias=b, reduction="none")
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max() + 1e-2
+
+
+def test_nan_and_inf_propagate():
+    x = torch.randn(5, 8)
+    W = torch.randn(11, 8)
+    t = torch.randint(0, 11, (5,))
+    x[2, 3] = float("nan")
+    rows = fused_ce.linear_cross_entropy(x, W, t, reduction="none")
+    assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3, 4]]).all()
+    assert torch.isnan(fused_ce.linear_cross_entropy(x, W, t))
+    W2 = torch.randn(11, 8)
+    W2[4, 0] = float("inf")
+    assert not torch.isfinite(fused_ce.linear_cross_entropy(torch.randn(5, 8), W2, t))
+
+
+def test_upstream_gradient_scales_and_repeated_backward_of_graph():
+    x = torch.randn(13, 10, requires_grad=True)
+    W = torch.randn(29, 10, requires_grad=True)
+    t = torch.randint(0, 29, (13,))
+    loss = fused_ce.linear_cross_entropy(x, W, t)
+    (3.5 * loss).backward()
+    want = cross_entropy64(x, W, t)
+    gx, gw = torch.autograd.grad(3.5 * want, (x, W))
+    assert rel_err(x.grad, gx) < 1e-5 and rel_err(W.grad, gw) < 1e-5
+
+
+def test_double_backward_is_a_clear_error():
+    x = torch.randn(4, 6, requires_grad=True)
+    W = torch.randn(9, 6, requires_grad=True)
+    t = torch.randint(0, 9, (4,))
+    for reduction in ("mean", "none"):
+        loss = fused_ce.linear_cross_entropy(x, W, t, reduction=reduction).sum()
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(loss, x, create_graph=True)
+
+
+def test_no_grad_returns_plain_loss():
+    x = torch.randn(6, 5, requires_grad=True)
+    W = torch.randn(7, 5, requires_grad=True)
+    t = torch.randint(0, 7, (6,))
+    with torch.no_grad():
+        loss = fused_ce.linear_cross_entropy(x, W, t)
+    assert not loss.requires_grad
+    assert rel_err(loss, cross_entropy64(x, W, t)) < 2e-6
+
+
+def test_autocast_computes_in_autocast_dtype():
+    x = torch.randn(12, 32)
+    W = torch.randn(45, 32)
+    b = torch.randn(45)
+    t = torch.randint(0, 45, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b)
+        want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, W, b), t)
+    # the oracle of the autocast computation: fp64 math on the bf16-rounded operands
+    oracle = cross_entropy64(x.bfloat16(), W.bfloat16(), t, bias=b.bfloat16())
+    assert got.dtype == torch.float32 == want.dtype
+    assert rel_err(got, oracle) < 1e-5
+
+
+def test_empty_input_matches_torch():
+    x = torch.randn(0, 4, requires_grad=True)
+    W = torch.randn(5, 4, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.long)
+    assert torch.isnan(fused_ce.linear_cross_entropy(x, W, t))
+    s = fused_ce.linear_cross_entropy(x, W, t, reduction="sum")
+    assert s.item() == 0
+    s.backward()
+    assert x.grad.shape == (0, 4) and torch.count_nonzero(W.grad) == 0
+    assert fused_ce.linear_cross_entropy(x, W, t, reduction="none").shape == (0,)
