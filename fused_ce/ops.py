@@ -78,14 +78,22 @@ def _sum_setup(ctx, inputs, output):
     _, lse, argmax, dx, dw, db = output
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
     ctx.save_for_backward(dx, dw, db)
+    ctx.consumed = False
 
 
 def _sum_backward(ctx, g_loss, *_):
+    """The gradients were computed in the forward for an upstream gradient of 1; scale them by
+    the actual (scalar) upstream gradient in place, so no second gradient-sized buffer is made.
+    That consumes them: a second backward through the same graph is refused."""
     if torch.is_grad_enabled():
         raise RuntimeError(_DOUBLE_BACKWARD)
+    if ctx.consumed:
+        raise RuntimeError("fused_ce: a second backward through the same fused loss "
+                           "(retain_graph=True) is not supported; recompute the loss instead")
+    ctx.consumed = True
     dx, dw, db = ctx.saved_tensors
     need = ctx.needs_input_grad
-    scale = lambda grad: g_loss.to(grad.dtype) * grad  # noqa: E731  (upstream grad is a scalar)
+    scale = lambda grad: grad.mul_(g_loss.to(grad.dtype))  # noqa: E731
     return (scale(dx) if need[0] else None, scale(dw) if need[1] else None,
             scale(db) if need[2] else None) + (None,) * 13
 
