@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
 from typing import NamedTuple, Optional, Union
 
@@ -40,6 +41,13 @@ def _unpack_linear(linear_weight, linear_bias):
                              "(its own bias is used), got a tensor")
         return linear_weight.weight, linear_weight.bias
     return linear_weight, linear_bias
+
+
+def _is_dtensor(t) -> bool:
+    """A DTensor head (vocab-sharded) takes the vocab-parallel path even without a process_group.
+    No DTensor can exist unless its module was imported, so this imports nothing."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -140,7 +148,7 @@ def linear_cross_entropy(
     """
     linear_weight, linear_bias = _unpack_linear(linear_weight, linear_bias)
     check.check_linear(input, linear_weight, linear_bias)
-    if process_group is not None:
+    if process_group is not None or _is_dtensor(linear_weight):
         from fused_ce import distributed
         return distributed.vocab_parallel_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=weight,
