@@ -1,0 +1,330 @@
+"""Forward+backward benchmark of fused_ce against its peers on the issue's shapes (CUDA only).
+
+    python benchmarks/bench.py --out results/            # every shape, every method
+    python benchmarks/bench.py --shapes bert8k,mlm --methods fused_ce,floor --out r/
+
+For each (shape, method): median time of forward+backward (CUDA events via
+triton.testing.do_bench, median of many runs after warm-up), peak extra memory of one
+forward+backward (max_memory_allocated minus the allocation before the call; includes the gradient
+buffers, which are also reported alone), and relative errors against an fp32 reference on the same
+bf16 inputs (loss: |a-b|/|b|; gradients: ||a-b|| / ||b||). Prints a table, writes results.json and
+PNG plots (time and memory against vocabulary size and token count) to --out.
+
+Methods: fused_ce (default), fused_ce_lowmem (low_memory=True), eager (bf16 F.linear +
+F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
+cce (cut_cross_entropy.linear_cross_entropy, no bias), torch_lce (torch's chunked
+F.linear_cross_entropy, torch >= 2.13), kernels (fused_ce.kernels.forward with gradients called
+directly: the kernels' own time and memory, no autograd layer), floor (three cuBLAS GEMMs on the valid rows, V padded to
+a multiple of 128). Peers that are not importable are reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = {
+    # name: (N, H, V, bias, fraction of rows with a label, kind)
+    "bert8k": (8192, 1024, 30258, True, 1.0, "ce"),
+    "bert16k": (16384, 1024, 30522, True, 1.0, "ce"),
+    "mlm": (16384, 1024, 30522, True, 0.15, "ce"),
+    "llama3": (16384, 4096, 128256, False, 1.0, "ce"),
+    "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
+    "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
+}
+CE_METHODS = ["fused_ce", "fused_ce_rowchunk", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
+              "torch_lce", "floor"]
+LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
+MiB = 2**20
+
+
+def make_inputs(shape, seed=0):
+    n, h, v, bias, frac, kind = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(n, h, device="cuda", generator=g) * 1.0).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(torch.bfloat16)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    if frac < 1.0:
+        keep = torch.rand(n, device="cuda", generator=g) < frac
+        t = torch.where(keep, t, torch.full_like(t, -100))
+    for p in (x, w, b):
+        if p is not None:
+            p.requires_grad_(kind == "ce")
+    return x, w, b, t
+
+
+# ----------------------------------------------------------------------------------- methods
+
+def _fused_api():
+    import fused_ce
+    if hasattr(fused_ce, "linear_cross_entropy"):
+        return fused_ce.linear_cross_entropy, fused_ce.linear_log_softmax
+    raise ImportError("fused_ce.linear_cross_entropy missing")
+
+
+def method_fn(name, kind, x, w, b, t):
+    """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax')."""
+    if name in ("fused_ce", "fused_ce_lowmem"):
+        lce, lls = _fused_api()
+        if kind == "logsoftmax":
+            return lambda: lls(x, w, b)
+        low = name == "fused_ce_lowmem"
+        return lambda: lce(x, w, t, linear_bias=b, low_memory=low)
+    if name == "fused_ce_rowchunk":  # the row-chunk cuBLAS path at any head size
+        from fused_ce.kernels import config
+        lce, _ = _fused_api()
+
+        def run():
+            old = config.ROW_CHUNK_MAX_DW32_BYTES
+            config.ROW_CHUNK_MAX_DW32_BYTES = 1 << 62
+            try:
+                return lce(x, w, t, linear_bias=b)
+            finally:
+                config.ROW_CHUNK_MAX_DW32_BYTES = old
+        return run
+    if name == "eager":
+        if kind == "logsoftmax":
+            return lambda: F.log_softmax(F.linear(x, w, b), -1)
+        return lambda: F.cross_entropy(F.linear(x, w, b), t)
+    if name == "compile":
+        if kind == "logsoftmax":
+            f = torch.compile(lambda x, w, b: F.log_softmax(F.linear(x, w, b), -1))
+        else:
+            f = torch.compile(lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t))
+            return lambda: f(x, w, b, t)
+        return lambda: f(x, w, b)
+    if name == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        return lambda: loss(w, x, t, b)
+    if name == "cce":
+        if b is not None:
+            raise NotImplementedError("no bias")
+        from cut_cross_entropy import linear_cross_entropy
+        return lambda: linear_cross_entropy(x, w, t, ignore_index=-100)
+    if name == "torch_lce":
+        if not hasattr(F, "linear_cross_entropy"):
+            raise NotImplementedError(f"torch {torch.__version__} has no F.linear_cross_entropy")
+        return lambda: F.linear_cross_entropy(x, w, t, bias=b)
+    if name == "floor":
+        return floor_fn(kind, x, w, b, t)
+    if name == "kernels":  # fused_ce.kernels.forward with gradients, no autograd layer
+        from fused_ce import kernels
+        from fused_ce.reference import GradCoefs
+        valid = (t != -100).float()
+        a = valid / valid.sum()
+        z = torch.zeros_like(a)
+        co = GradCoefs(a, z, a, z)
+        xd, wd, bd = x.detach(), w.detach(), None if b is None else b.detach()
+        return lambda: kernels.forward(xd, wd, bd, t, -100, None, None, coefs=co, need_dx=True,
+                                       need_dw=True, need_db=b is not None)
+    raise ValueError(name)
+
+
+def floor_fn(kind, x, w, b, t):
+    """Three cuBLAS GEMMs over the valid rows with V padded to 128 (logits, dX, dW); for
+    log-softmax, the logits GEMM writing the full output."""
+    v = w.shape[0]
+    vp = (v + 127) // 128 * 128
+    wp = torch.zeros(vp, w.shape[1], dtype=w.dtype, device=w.device)
+    wp[:v] = w.detach()
+    rows = (t != -100).nonzero().squeeze(1)
+    xv = x.detach()[rows].contiguous()
+    out = torch.empty(xv.shape[0], vp, dtype=x.dtype, device=x.device)
+    if kind == "logsoftmax":
+        return lambda: torch.mm(xv, wp.t(), out=out)
+
+    def run():
+        torch.mm(xv, wp.t(), out=out)
+        dx = out @ wp
+        dw = out.t() @ xv
+        return dx, dw
+    return run
+
+
+def forward_backward(name, kind, fn, params):
+    def step():
+        for p in params:
+            p.grad = None
+        out = fn()
+        if kind == "ce" and name not in ("floor", "kernels"):
+            out.backward()
+        return out
+    return step
+
+
+def reference_fp32(kind, x, w, b, t):
+    """fp32 logits from the same bf16 inputs; loss and grads in fp32 (no TF32)."""
+    xf = x.detach().float().requires_grad_()
+    wf = w.detach().float().requires_grad_()
+    bf = None if b is None else b.detach().float().requires_grad_()
+    if kind == "logsoftmax":
+        with torch.no_grad():
+            return {"out": F.log_softmax(F.linear(xf, wf, bf), -1)}
+    loss = F.cross_entropy(F.linear(xf, wf, bf), t)
+    loss.backward()
+    ref = {"loss": loss.detach(), "dx": xf.grad, "dw": wf.grad}
+    if bf is not None:
+        ref["db"] = bf.grad
+    return ref
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def errors(name, kind, fn, params, ref):
+    x, w, b = params[0], params[1], (params[2] if len(params) > 2 else None)
+    for p in params:
+        p.grad = None
+    if name in ("floor", "kernels"):
+        return {}
+    out = fn()
+    if kind == "logsoftmax":
+        return {"out": rel(out, ref["out"])}
+    out.backward()
+    e = {"loss": abs(out.item() - ref["loss"].item()) / abs(ref["loss"].item()),
+         "dx": rel(x.grad, ref["dx"]), "dw": rel(w.grad, ref["dw"])}
+    if b is not None and "db" in ref:
+        e["db"] = rel(b.grad, ref["db"])
+    return e
+
+
+def measure(name, shape, args):
+    import triton.testing
+    n, h, v, bias, frac, kind = SHAPES[shape]
+    x, w, b, t = make_inputs(shape)
+    params = [p for p in (x, w, b) if p is not None]
+    fn = method_fn(name, kind, x, w, b, t)
+    step = forward_backward(name, kind, fn, params)
+    step()  # compile / warm up
+    torch.cuda.synchronize()
+    grads_mib = sum(p.numel() * p.element_size() for p in params) / MiB if kind == "ce" else 0.0
+    # memory: one call from a clean state (grads freed), peak over the allocation before it
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = step()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / MiB
+    if kind == "logsoftmax" and name != "floor":
+        pass  # the output itself is part of the peak, like the peers'
+    del out
+    est = triton.testing.do_bench(step, warmup=max(25, args.warmup_ms), rep=args.rep_ms,
+                                  return_mode="median")
+    err = {}
+    if args.errors:
+        ref = reference_fp32(kind, x, w, b, t)
+        err = errors(name, kind, fn, params, ref)
+        del ref
+    return {"shape": shape, "method": name, "N": n, "H": h, "V": v, "bias": bias,
+            "valid_frac": frac, "kind": kind, "ms": est, "peak_mib": peak_mib,
+            "grads_mib": grads_mib, "errors": err}
+
+
+def print_table(rows):
+    print(f"{'shape':<11} {'method':<16} {'ms':>8} {'peak MiB':>9} {'grads':>6}  errors")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:<11} {r['method']:<16} {'-':>8} {'-':>9} {'-':>6}  {r['error']}")
+            continue
+        e = " ".join(f"{k}={v:.2e}" for k, v in r["errors"].items())
+        print(f"{r['shape']:<11} {r['method']:<16} {r['ms']:8.3f} {r['peak_mib']:9.0f} "
+              f"{r['grads_mib']:6.0f}  {e}")
+
+
+def plots(rows, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plots")
+        return
+    ok = [r for r in rows if "error" not in r and r["kind"] == "ce" and r["valid_frac"] == 1.0]
+    methods = sorted({r["method"] for r in ok})
+    for xkey, fname in (("V", "vs_vocab.png"), ("N", "vs_tokens.png")):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for m in methods:
+            pts = sorted((r[xkey], r["ms"], r["peak_mib"]) for r in ok if r["method"] == m)
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            axes[0].plot(xs, [p[1] for p in pts], "o-", label=m)
+            axes[1].plot(xs, [p[2] for p in pts], "o-", label=m)
+        for ax, yl in zip(axes, ("forward+backward ms (median)", "peak extra MiB")):
+            ax.set_xlabel("vocabulary size V" if xkey == "V" else "tokens N")
+            ax.set_ylabel(yl)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"H200 bf16, issue shapes, against {'vocabulary' if xkey == 'V' else 'tokens'}")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, fname), dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="results folder (JSON, PNG)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--methods", default=",".join(CE_METHODS))
+    ap.add_argument("--rep-ms", type=float, default=400.0)
+    ap.add_argument("--warmup-ms", type=float, default=100.0)
+    ap.add_argument("--no-errors", dest="errors", action="store_false")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        kind = SHAPES[shape][5]
+        for name in args.methods.split(","):
+            if name not in (LS_METHODS if kind == "logsoftmax" else CE_METHODS):
+                continue
+            t0 = time.time()
+            try:
+                r = measure(name, shape, args)
+            except Exception as exc:  # a peer missing or failing is a row, not a crash
+                r = {"shape": shape, "method": name, "kind": kind,
+                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"}
+                if os.environ.get("BENCH_TRACE"):
+                    traceback.print_exc()
+            r["wall_s"] = time.time() - t0
+            rows.append(r)
+            print_table([r])
+            sys.stdout.flush()
+            with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
+                json.dump({"rows": rows}, f, indent=1)
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+    meta = {"date": datetime.datetime.utcnow().isoformat() + "Z",
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "command": " ".join(sys.argv)}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print("\n", meta)
+    print_table(rows)
+    plots(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Triton kernels for CUDA: the same contract as ``fused_ce.reference`` (see its docstring).
+
+* ``forward``: one fused sweep computes lse, target logit, sum_j w_j z_ij, max and argmax per row
+  without storing logits (row_stats.py); with ``coefs`` the gradients follow (gradients.py).
+* ``backward``: the gradients from a given lse.
+* ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
+  chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
+  writing ``z - lse`` (log_probs.py).
+
+Valid rows are compacted on the device and the Triton kernels read their count from device
+memory: ignored rows cost nothing and nothing waits on the host. One exception, for speed:
+``forward`` with gradients of a 16-bit BERT-class head (fp32 dW <= 512 MiB, not low_memory, not
+while a CUDA graph is captured) takes the row-chunk cuBLAS path (row_chunks.py), which reads the
+valid-row count on the host once per call. Results are
+deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the reference
+(Triton's fp64 dot is not worth a kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fused_ce import reference
+from fused_ce.reference import GradCoefs, RowStats
+
+import triton  # an ImportError here tells the dispatcher the kernels are unavailable
+
+from fused_ce.kernels import config
+from fused_ce.kernels import row_chunks
+from fused_ce.kernels.gradients import grad_scale, gradients, row_coefs
+from fused_ce.kernels.log_probs import log_probs_kernel
+from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.row_stats import combine, row_stats_kernel
+
+__all__ = ["forward", "backward", "log_softmax", "supports"]
+
+
+def supports(x: Tensor) -> bool:
+    """True when these kernels can run on x's device: CUDA (compute capability >= 8.0), or any
+    device under the Triton interpreter (TRITON_INTERPRET=1)."""
+    if config.interpreting():
+        return True
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def _use_reference(x: Tensor, weight: Tensor) -> bool:
+    return x.dtype == torch.float64 or weight.dtype == torch.float64
+
+
+def _row_stats(p: Problem, with_weighted_sum: bool):
+    lg = p.cfg["logits"]
+    n_tiles = triton.cdiv(p.V, lg["BLOCK_N"])
+    row_tiles = triton.cdiv(p.N, lg["BLOCK_M"])
+    if config.interpreting():
+        splits = p.cfg["stats_splits"]
+    else:
+        target = p.cfg["stats_programs_per_sm"] * config.sm_count(p.device)
+        splits = triton.cdiv(target, row_tiles)
+    splits = max(1, min(splits, n_tiles))
+    per_split = triton.cdiv(n_tiles, splits)
+    splits = triton.cdiv(n_tiles, per_split)
+    f32 = dict(dtype=torch.float32, device=p.device)
+    m, s, zt, ws = (torch.empty((splits, p.N), **f32) for _ in range(4))
+    am = torch.empty((splits, p.N), dtype=torch.int32, device=p.device)
+    row_stats_kernel[(row_tiles, splits)](
+        p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+        m, s, am, zt, ws, p.N, p.V, p.H, per_split, p.softcap_arg,
+        HAS_CW=p.class_weight is not None, WITH_WS=with_weighted_sum, **p.flags, **lg)
+    return combine(m, s, am, zt, ws, p.valid, p.ignore_index)
+
+
+def _empty_stats(x: Tensor, ignore_index: int):
+    z = torch.zeros(0, dtype=torch.float32, device=x.device)
+    return z, z.clone(), z.clone(), z.clone(), torch.zeros(0, dtype=torch.long, device=x.device)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+            softcap: Optional[float], class_weight: Optional[Tensor], *,
+            with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
+            need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
+            low_memory: bool = False) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given."""
+    if _use_reference(x, weight):
+        return reference.forward(x, weight, bias, target, ignore_index, softcap, class_weight,
+                                 with_weighted_sum=with_weighted_sum, coefs=coefs,
+                                 need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                                 low_memory=low_memory)
+    p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
+    want = coefs is not None and (need_dx or need_dw or need_db)
+    if want and p.N > 0 and row_chunks.applicable(p, low_memory):
+        cf = row_coefs(p, coefs)
+        scale = grad_scale(p, cf)
+        # the one host sync of this path: cuBLAS needs the number of valid rows
+        p.n_valid_host, d_scale = torch.cat([p.n_valid.double(), scale.double()]).tolist()
+        stats, grads = row_chunks.forward_with_grads(p, cf, d_scale, with_weighted_sum,
+                                                     need_dx, need_dw, need_db)
+        return RowStats(*stats, *_cast(grads, weight))
+    stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
+    grads = (None, None, None)
+    if want:
+        grads = _cast(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
+                                need_db=need_db, low_memory=low_memory), weight)
+    return RowStats(*stats, *grads)
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+             softcap: Optional[float], class_weight: Optional[Tensor], lse: Tensor,
+             coefs: GradCoefs, *, need_dx: bool, need_dw: bool, need_db: bool,
+             low_memory: bool = False):
+    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse``."""
+    if _use_reference(x, weight):
+        return reference.backward(x, weight, bias, target, ignore_index, softcap, class_weight,
+                                  lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                                  low_memory=low_memory)
+    p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
+    return _cast(gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                           low_memory=low_memory), weight)
+
+
+def _cast(grads, weight: Tensor):
+    dx, dw, db = grads
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    return dx, dw, db
+
+
+def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``log_softmax(x @ weight.T + bias, -1)`` in ``x``'s dtype (logits never stored)."""
+    if _use_reference(x, weight):
+        return reference.log_softmax(x, weight, bias)
+    if row_chunks.log_softmax_applicable(x) and weight.dtype == x.dtype:
+        return row_chunks.log_softmax(x.contiguous(), weight.contiguous(),
+                                      None if bias is None else bias.contiguous())
+    n = x.shape[0]
+    no_target = torch.full((n,), -1, dtype=torch.long, device=x.device)
+    p = Problem(x, weight, bias, no_target, -2, None, None)
+    out = torch.empty((n, p.V), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    lse = _row_stats(p, False)[0]
+    lg = p.cfg["logits"]
+    log_probs_kernel[(triton.cdiv(n, lg["BLOCK_M"]), triton.cdiv(p.V, lg["BLOCK_N"]))](
+        p.x, p.weight, p.bias_arg, lse, out, n, p.V, p.H, HAS_BIAS=p.flags["HAS_BIAS"],
+        UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"], EVEN_K=p.flags["EVEN_K"], **lg)
+    return out

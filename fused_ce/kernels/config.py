@@ -1,0 +1,68 @@
+"""Tile shapes and workspace budgets. Fixed per device kind (no autotuning): a new number of rows
+never triggers a re-tune, only the grid changes. ``CONFIG`` is module state so a benchmark can
+try variants; the library never changes it."""
+
+import os
+
+import torch
+
+# On the H200 (Hopper: tl.dot lowers to wgmma). "logits": the fused logits+epilogue kernels
+# (statistics, gradient of the logits, log-probabilities); "gemm": the dX and dW products.
+GPU = {
+    "logits": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    # programs per multiprocessor the statistics pass aims for (vocabulary splits fill the
+    # machine when few rows are valid)
+    "stats_programs_per_sm": 8,
+}
+# Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
+# H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
+GPU_WIDE = {
+    **GPU,
+    "logits": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+}
+# Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
+# path runs on small shapes.
+INTERPRETER = {
+    "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
+    "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
+    "stats_splits": 3,
+}
+# Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
+D_BYTES = 64 * 2**20
+D_BYTES_LOW_MEMORY = 8 * 2**20
+# Memory-minimal mode computes dX in row blocks whose fp32 accumulator stays under this.
+DX_ACC_BYTES_LOW_MEMORY = 4 * 2**20
+# Row-chunk cuBLAS path (row_chunks.py): Z (fp32) + D per chunk, and the largest fp32 dW
+# accumulator (4 V H bytes) for which it is chosen over the vocabulary sweep.
+ROW_CHUNK_BYTES = 256 * 2**20
+ROW_CHUNK_MAX_DW32_BYTES = 512 * 2**20
+# Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
+CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
+
+CONFIG = {"gpu": GPU, "gpu_wide": GPU_WIDE, "interpreter": INTERPRETER}
+WIDE_H = 2048
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def current(hidden: int = 0) -> dict:
+    """Tile configuration: depends on the hidden size only (never on the number of rows)."""
+    if interpreting():
+        return CONFIG["interpreter"]
+    return CONFIG["gpu_wide"] if hidden >= WIDE_H else CONFIG["gpu"]
+
+
+_SM_COUNT = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

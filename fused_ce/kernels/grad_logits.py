@@ -1,0 +1,72 @@
+"""The logits gradient of one (row block x vocabulary chunk), written to a workspace.
+
+With the lse known (from the statistics pass or given), each logit's gradient is local::
+
+    dz_ij = (prob_i + 2 * lse_sq_i * lse_i) * exp(z_ij - lse_i)
+            - target_i * [j == t_i] - smooth_i * w_j          (times 1 - (z_ij/c)^2 with softcap c)
+
+The tile's logits are recomputed (logits.py, bit-identical to the forward's) and dz is stored in
+the input dtype as ``D[p - p0, j - v0]`` (compacted row position p, vocabulary column j), the A
+operand of the dX and dW products (matmul.py). Column sums of dz over the tile (fp32) go to
+``db_part[row tile, j - v0]`` (row stride ldd, like D) for the bias gradient; summing them in a fixed order keeps db
+deterministic. D holds dz times a power of two (``scale_ptr``, 1 except for fp16, where it keeps
+the 1/N-sized gradients of a mean loss out of fp16's subnormal range); the products divide it out.
+"""
+
+import triton
+import triton.language as tl
+
+from fused_ce.kernels.logits import logits_tile
+
+
+@triton.jit
+def grad_logits_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
+                       lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
+                       d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
+                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+                       STORE_D: tl.constexpr, NEED_DB: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_valid = tl.load(n_valid_ptr)
+    p_start = p0 + pid_m * BLOCK_M
+    if p_start >= n_valid:
+        return
+    offs_p = p_start + tl.arange(0, BLOCK_M)
+    in_block = offs_p < p0 + rows_in_block
+    row_mask = in_block & (offs_p < n_valid)
+    rows = tl.load(row_idx_ptr + offs_p, mask=row_mask, other=0)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = v0 + offs_j
+    in_chunk = offs_j < vc
+    col_mask = in_chunk & (cols < V)
+
+    z = logits_tile(x_ptr, w_ptr, bias_ptr, rows, row_mask, cols, col_mask, H, softcap,
+                    HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    c_tgt = tl.load(c_tgt_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    c_smooth = tl.load(c_smooth_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    c_prob = tl.load(c_prob_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    c_lse_sq = tl.load(c_lse_sq_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tgt = tl.load(target_ptr + rows, mask=row_mask, other=-1)
+
+    alpha = c_prob + 2.0 * c_lse_sq * lse
+    dz = alpha[:, None] * tl.exp(z - lse[:, None])
+    dz -= tl.where(cols[None, :] == tgt[:, None], c_tgt[:, None], 0.0)
+    if HAS_CW:
+        w = tl.load(cw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dz -= c_smooth[:, None] * w[None, :]
+    else:
+        dz -= c_smooth[:, None]
+    if HAS_SOFTCAP:
+        u = z / softcap
+        dz *= 1.0 - u * u
+    dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
+
+    if STORE_D:
+        d_ptrs = d_ptr + (offs_p - p0).to(tl.int64)[:, None] * ldd + offs_j[None, :]
+        tl.store(d_ptrs, (dz * tl.load(scale_ptr)).to(d_ptr.dtype.element_ty), mask=in_block[:, None] & in_chunk[None, :])
+    if NEED_DB:
+        tl.store(db_ptr + pid_m.to(tl.int64) * ldd + offs_j, tl.sum(dz, 0), mask=in_chunk)

@@ -1,0 +1,146 @@
+"""dX, dW, db from the lse and the per-row coefficients: sweeps over the logits in chunks.
+
+Default mode (four GEMM-equivalents counting the statistics pass, exact fp32 accumulation):
+one sweep over vocabulary chunks of width ``vc`` with every valid row at once. Per chunk,
+``grad_logits`` writes D = dz (rows x vc, input dtype), ``dw_kernel`` finishes dW for those vocab
+rows (reduction over all valid rows in registers: rounded once, no fp32 dW buffer), and
+``dx_kernel`` adds D @ W[chunk] into an fp32 dX accumulator (rows x H) that the last chunk rounds
+into dX. Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes).
+
+Memory-minimal mode (five GEMM-equivalents): dX in row blocks whose fp32 accumulator is small,
+each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
+for dW and db. Workspace: D (<= config.D_BYTES_LOW_MEMORY) + <= DX_ACC_BYTES_LOW_MEMORY.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from fused_ce.kernels import config
+from fused_ce.kernels.grad_logits import grad_logits_kernel
+from fused_ce.kernels.matmul import dw_kernel, dx_kernel
+from fused_ce.kernels.problem import Problem
+from fused_ce.reference import GradCoefs
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _fit(budget_elems: int, per: int, block: int, cap: int) -> int:
+    """Largest multiple of ``block`` with (that * per) <= budget, at least one block, at most
+    ``cap`` rounded up to a block."""
+    n = max(block, budget_elems // max(1, per) // block * block)
+    return min(n, _round_up(max(cap, 1), block))
+
+
+def row_coefs(p: Problem, coefs: GradCoefs):
+    return [torch.as_tensor(c, device=p.device).to(torch.float32).expand(p.N).contiguous()
+            for c in (coefs.target, coefs.smooth, coefs.prob, coefs.lse_sq)]
+
+
+def grad_scale(p: Problem, cf) -> torch.Tensor:
+    """Power of two multiplying dz in the workspace D (device tensor, no sync). fp16 only: a
+    mean over N rows makes |dz| ~ 1/N, deep in fp16's subnormals; scaled, its largest possible
+    value (coefficient bound) is near 1. bf16 and fp32 have fp32's exponent range: 1."""
+    one = torch.ones(1, dtype=torch.float32, device=p.device)
+    if p.x.dtype != torch.float16 or p.N == 0:
+        return one
+    tgt, smooth, prob, lse_sq = cf
+    wmax = 1.0 if p.class_weight is None else p.class_weight.abs().max()
+    # |dz| <= |prob| + 2|lse_sq| |lse| + |tgt| + |smooth| max w ; |lse| taken as <= 64 here
+    bound = (prob.abs() + tgt.abs() + smooth.abs() * wmax + 128.0 * lse_sq.abs()).max()
+    e = torch.floor(torch.log2(1.0 / bound.clamp_min(1e-30))).clamp(-20.0, 40.0)
+    return torch.exp2(e).reshape(1).to(torch.float32)
+
+
+def _gemm_cfg(p: Problem, m: int, n: int) -> dict:
+    """Tiles of a dX/dW product with an (m x n) output: the configured tile, or smaller ones
+    when it would leave multiprocessors idle (the memory-minimal sweeps have narrow outputs:
+    512 vocabulary rows x H=1024 is 16 programs of 128x256)."""
+    base = p.cfg["gemm"]
+    if config.interpreting():
+        return base
+    target = config.sm_count(p.device)
+    options = [(base["BLOCK_M"], base["BLOCK_N"], base["num_warps"]), (128, 128, 4), (64, 128, 4),
+               (64, 64, 4)]
+    for bm, bn, warps in options:
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= target:
+            break
+    return dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+
+
+def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None):
+    """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows)."""
+    lg = p.cfg["logits"]
+    chunks = list(range(0, p.V, vc))
+    store_d = dx is not None or dw is not None
+    vc_pad = _round_up(vc, 8)  # 16-byte aligned rows of D
+    d = torch.empty((rows, vc_pad) if store_d else (1, 1), dtype=p.x.dtype, device=p.device)
+    acc = (torch.empty((rows, p.H), dtype=torch.float32, device=p.device)
+           if dx is not None and len(chunks) > 1 else None)
+    m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
+    db_part = (torch.empty((m_tiles, vc_pad), dtype=torch.float32, device=p.device)
+               if db is not None else None)
+    for i, v0 in enumerate(chunks):
+        width = min(vc, p.V - v0)
+        if db_part is not None:
+            db_part.zero_()  # tiles past the valid rows exit without writing
+        grad_logits_kernel[(m_tiles, triton.cdiv(width, lg["BLOCK_N"]))](
+            p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+            lse, *cf, scale, d, vc_pad, db_part if db_part is not None else d,
+            p0, rows, v0, width, p.V, p.H, p.softcap_arg,
+            HAS_CW=p.class_weight is not None, STORE_D=store_d, NEED_DB=db is not None,
+            **p.flags, **lg)
+        flags = dict(UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"])
+        if dw is not None:
+            gm = _gemm_cfg(p, width, p.H)
+            dw_kernel[(triton.cdiv(width, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
+                d, vc_pad, scale, p.x, p.row_idx, p.n_valid, dw, v0, width, p.V, p.H, **flags, **gm)
+        if dx is not None:
+            last = i == len(chunks) - 1
+            gm = _gemm_cfg(p, rows, p.H)
+            dx_kernel[(triton.cdiv(rows, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
+                d, vc_pad, scale, p.weight, p.row_idx, p.n_valid, acc if acc is not None else dx, dx,
+                p0, rows, v0, width, p.V, p.H, ACC_IN=i > 0, WRITE_FINAL=last, **flags, **gm)
+        if db is not None:
+            db[v0:v0 + width] = db_part[:, :width].sum(0)
+
+
+def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
+              need_db: bool, low_memory: bool):
+    """(dx, dw, db) in the input dtypes (None where not asked for); ignored rows get zeros."""
+    lse = lse.to(torch.float32).contiguous()
+    cf = row_coefs(p, coefs)
+    scale = grad_scale(p, cf)
+    dx = torch.zeros_like(p.x) if need_dx else None
+    dw = torch.empty_like(p.weight) if need_dw else None  # dw_kernel writes every element
+    db32 = torch.empty(p.V, dtype=torch.float32, device=p.device) if need_db else None
+    elt = p.x.element_size()
+    block_n = p.cfg["logits"]["BLOCK_N"]
+    block_m = p.cfg["logits"]["BLOCK_M"]
+    ov = config.CHUNK_OVERRIDE or {}
+    if p.N > 0 and (need_dx or need_dw or need_db):
+        if not low_memory:
+            vc = ov.get("vc") or _fit(config.D_BYTES // elt, p.N, block_n, p.V)
+            _sweep(p, lse, cf, scale, 0, p.N, vc, dx=dx, dw=dw, db=db32)
+        else:
+            if need_dx:
+                rb = ov.get("row_block") or _fit(config.DX_ACC_BYTES_LOW_MEMORY // 4, p.H,
+                                                 block_m, p.N)
+                rvc = ov.get("row_vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, rb, block_n,
+                                               p.V)
+                for p0 in range(0, p.N, rb):
+                    _sweep(p, lse, cf, scale, p0, min(rb, p.N - p0), rvc, dx=dx)
+            if need_dw or need_db:
+                vc = ov.get("vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, p.N, block_n, p.V)
+                _sweep(p, lse, cf, scale, 0, p.N, vc, dw=dw, db=db32)
+    elif dw is not None:
+        dw.zero_()
+    if db32 is not None and p.N == 0:
+        db32.zero_()
+    db = None
+    if db32 is not None:
+        db = db32.to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+    return dx, dw, db

@@ -1,0 +1,61 @@
+"""The shared inner piece of every kernel: one (rows x vocab) tile of the logits.
+
+``z = x[rows] @ W[cols].T + b[cols]`` accumulated in fp32 over K = H in BLOCK_K steps, then the
+optional softcap ``z = c * tanh(z / c)``. Every pass (statistics, gradient, log-probabilities)
+computes its logits with this one function and the same BLOCK_K, so a logit has the same fp32
+value (same products, same summation order) in the forward and the backward.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ b in fp32. UPCAST: the Triton interpreter computes 16-bit dots wrongly
+    (triton-lang/triton#11584), so there operands are widened first. IEEE: exact fp32 products
+    (fp32 inputs) instead of TF32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def tanh(u):
+    """tanh through exp of a non-positive argument: no overflow, NaN stays NaN."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def logits_tile(x_ptr, w_ptr, bias_ptr, rows, row_mask, cols, col_mask, H, softcap,
+                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+                IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 logits of rows ``rows`` (original row ids, BLOCK_M) and columns ``cols`` (BLOCK_N).
+    Masked rows/columns read zeros. Offsets are int64: rows * H and cols * H exceed 2**31."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * H + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * H + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            kk = k * BLOCK_K + offs_k
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & (kk[None, :] < H), other=0.0)
+            b = tl.load(w_ptrs, mask=col_mask[None, :] & (kk[:, None] < H), other=0.0)
+        acc = mma(a, b, acc, UPCAST, IEEE)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # The bias is added once, after the whole K reduction (not per K block).
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        acc = softcap * tanh(acc / softcap)
+    return acc

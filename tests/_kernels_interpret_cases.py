@@ -1,0 +1,290 @@
+"""Cases for tests/test_kernels_interpret.py: every entry point of ``fused_ce.kernels`` against
+the fp64 reference, run under the Triton interpreter (TRITON_INTERPRET=1, set by the launcher
+before anything imports triton). Not collected on its own (no ``test_`` prefix)."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels_interpret.py"
+
+from fused_ce import kernels, reference  # noqa: E402
+from fused_ce.kernels import config  # noqa: E402
+from fused_ce.reference import GradCoefs  # noqa: E402
+
+IGNORE = -100
+# tolerances against the fp64 oracle on the same (rounded) inputs
+TOL = {torch.float32: dict(stats=1e-5, grads=1e-5), torch.float16: dict(stats=1e-5, grads=4e-3)}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch):
+    """Every torch.empty / empty_like made while a case runs is filled with NaN (or a huge
+    integer), so an element a kernel forgets to write shows up in the result."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max // 2)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    yield
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Workspaces a few tiles wide: multi-chunk sweeps and several dX row blocks."""
+    monkeypatch.setattr(config, "CHUNK_OVERRIDE", {"vc": 32, "row_block": 16, "row_vc": 64})
+
+
+def _gen():
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return g
+
+
+def _inputs(n, h, v, dtype, *, bias=True, ignored=0.25, out_of_shard=True, class_weight=False,
+            g=None):
+    g = g or _gen()
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 1.0).to(dtype) if bias else None  # bias of scale ~1
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignored] = IGNORE
+    if out_of_shard and n > 2:
+        t[1] = v + 3   # a column of another vocabulary shard
+        t[2] = -7      # negative, not ignore_index
+    cw = torch.rand(v, generator=g) + 0.5 if class_weight else None
+    return x, w, b, t, cw
+
+
+def _coefs(n, g):
+    return GradCoefs(torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.1,
+                     torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g) * 0.01)
+
+
+def _d(t):
+    return None if t is None else t.double()
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _check_stats(ours, ref, t, tol):
+    valid = t != IGNORE
+    for name in ("lse", "target_logit", "weighted_sum", "max_logit"):
+        got, exp = getattr(ours, name), getattr(ref, name)
+        assert got.dtype == torch.float32 and not got.isnan().any(), name
+        assert (got[~valid] == 0).all(), name
+        assert _rel(got, exp) <= tol, (name, _rel(got, exp))
+    assert torch.equal(ours.argmax, ref.argmax)
+
+
+def _check_grads(ours, ref, x, w, b, tol, need):
+    for name, like, wanted in zip(("dx", "dw", "db"), (x, w, b if b is not None else w), need):
+        got, exp = getattr(ours, name) if hasattr(ours, name) else ours[name], ref[name]
+        if not wanted:
+            assert got is None, name
+            continue
+        assert got.dtype == like.dtype and got.shape == exp.shape, name
+        assert not got.isnan().any(), name
+        assert _rel(got, exp) <= tol, (name, _rel(got, exp))
+
+
+SHAPES = [(1, 70, 37), (29, 70, 101), (40, 48, 67)]  # N=1; H > every block and not a multiple
+                                                    # of BLOCK_K (70) or a multiple (48); V prime
+
+
+@pytest.mark.parametrize("n,h,v", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_forward_stats(n, h, v, dtype, softcap):
+    g = _gen()
+    x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=True, g=g)
+    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, with_weighted_sum=True)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                            with_weighted_sum=True)
+    _check_stats(ours, ref, t, TOL[dtype]["stats"])
+    assert ours.dx is None and ours.dw is None and ours.db is None
+
+
+@pytest.mark.parametrize("need", [c for c in itertools.product([False, True], repeat=3) if any(c)])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_forward_grads_every_combination(need, low_memory, small_chunks):
+    g = _gen()
+    x, w, b, t, cw = _inputs(37, 70, 89, torch.float32, class_weight=True, g=g)
+    co = _coefs(37, g)
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=need[0], need_dw=need[1],
+              need_db=need[2], low_memory=low_memory)
+    ours = kernels.forward(x, w, b, t, IGNORE, 2.5, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, 2.5, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    _check_stats(ours, ref, t, 1e-5)
+    _check_grads(ours, ref._asdict(), x, w, b, 1e-5, need)
+    if need[0]:
+        assert (ours.dx[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("bias,softcap,class_weight", [(True, None, False), (False, 4.0, True)])
+def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, small_chunks):
+    g = _gen()
+    n, h, v = 25, 70, 67
+    x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight, g=g)
+    co = _coefs(n, g)
+    # an lse from elsewhere (vocab-parallel: the global one), here the reference's plus noise
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw)).lse.float()
+    lse = lse + 0.1 * torch.rand(n, generator=g)
+    ours = kernels.backward(x, w, b, t, IGNORE, softcap, cw, lse, co, need_dx=True,
+                            need_dw=True, need_db=True, low_memory=low_memory)
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw), lse.double(),
+                             GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
+    like_b = b if b is not None else w
+    _check_grads(dict(zip(("dx", "dw", "db"), ours)), dict(zip(("dx", "dw", "db"), ref)),
+                 x, w, like_b, TOL[dtype]["grads"], (True, True, True))
+
+
+def test_default_budget_single_chunk():
+    """Without the test override: the real workspace sizing (one chunk at these sizes)."""
+    g = _gen()
+    x, w, b, t, cw = _inputs(20, 40, 53, torch.float32, g=g)
+    co = _coefs(20, g)
+    for low in (False, True):
+        ours = kernels.forward(x, w, b, t, IGNORE, None, None, coefs=co, need_dx=True,
+                               need_dw=True, need_db=True, low_memory=low)
+        ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None,
+                                coefs=GradCoefs(*map(_d, co)), need_dx=True, need_dw=True,
+                                need_db=True)
+        _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
+
+
+def test_all_rows_ignored():
+    g = _gen()
+    x, w, b, t, _ = _inputs(9, 70, 41, torch.float32, g=g)
+    t[:] = IGNORE
+    co = _coefs(9, g)
+    out = kernels.forward(x, w, b, t, IGNORE, None, None, with_weighted_sum=True, coefs=co,
+                          need_dx=True, need_dw=True, need_db=True)
+    for name in ("lse", "target_logit", "weighted_sum", "max_logit", "dx", "dw", "db"):
+        assert (getattr(out, name) == 0).all(), name
+    assert (out.argmax == IGNORE).all()
+
+
+def test_argmax_ties_take_first_column():
+    """Small-integer inputs make every logit exact in any summation order, so ties are real
+    ties (many of them, within a tile and across tiles and vocabulary splits): the first column
+    attaining the max must win, as torch.argmax's rule."""
+    g = _gen()
+    n, h, v = 24, 48, 150
+    x = torch.randint(-2, 3, (n, h), generator=g).float()
+    w = torch.randint(-2, 3, (v, h), generator=g).float()
+    b = torch.randint(-2, 3, (v,), generator=g).float()
+    w[100] = w[140] = w[5]  # guaranteed ties across tiles (and splits)
+    b[100] = b[140] = b[5]
+    t = torch.randint(0, v, (n,), generator=g)
+    out = kernels.forward(x, w, b, t, IGNORE, None, None)
+    exact = x.double() @ w.double().t() + b.double()
+    assert torch.equal(out.argmax, exact.argmax(1))
+    assert torch.equal(out.max_logit.double(), exact.max(1).values)
+
+
+@pytest.mark.parametrize("n,h,v", [(1, 70, 37), (23, 48, 101)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_log_softmax(n, h, v, dtype):
+    g = _gen()
+    x, w, b, _, _ = _inputs(n, h, v, dtype, g=g)
+    ours = kernels.log_softmax(x, w, b)
+    ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
+    assert ours.dtype == dtype and not ours.isnan().any()
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert _rel(ours, ref) <= tol
+
+
+def test_nonfinite_input_propagates():
+    g = _gen()
+    x, w, b, t, _ = _inputs(10, 48, 53, torch.float32, ignored=0.0, out_of_shard=False, g=g)
+    x[4, 7] = float("nan")
+    x[6, 0] = float("inf")
+    co = _coefs(10, g)
+    out = kernels.forward(x, w, b, t, IGNORE, None, None, coefs=co, need_dx=True, need_dw=True,
+                          need_db=True)
+    assert not torch.isfinite(out.lse[4]) and not torch.isfinite(out.lse[6])
+    assert torch.isfinite(out.lse[[0, 1, 2, 3, 5, 7, 8, 9]]).all()
+    assert not torch.isfinite(out.dw).all() and not torch.isfinite(out.db).all()
+
+
+def test_supports_under_interpreter():
+    assert kernels.supports(torch.zeros(1))
+
+
+def test_row_chunk_path_logic(monkeypatch):
+    """The row-chunk cuBLAS path (row_chunks.py) with CPU stand-ins for the fp32-output GEMMs:
+    its Triton kernel and chunk bookkeeping against the oracle (fp16, several chunks, ignored
+    rows, out-of-shard targets, class weights, softcap)."""
+    from fused_ce.kernels import row_chunks
+    from fused_ce.kernels.gradients import grad_scale, row_coefs
+    from fused_ce.kernels.problem import Problem
+
+    real_mm = torch.mm
+
+    def mm(a, b, out_dtype=None, out=None):
+        r = real_mm(a.float(), b.float()).to(out_dtype or a.dtype)
+        return r if out is None else out.copy_(r)
+
+    def addmm(c, a, b, beta=1, alpha=1, out_dtype=None, out=None):
+        r = alpha * real_mm(a.float(), b.float())
+        r = (r if beta == 0 else r + beta * c.float()).to(out_dtype or a.dtype)
+        return r if out is None else out.copy_(r)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    g = _gen()
+    n, h, v = 90, 48, 71
+    x, w, b, t, cw = _inputs(n, h, v, torch.float16, class_weight=True, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))  # mean-sized coefficients: fp16 scaling
+    # 32-row chunks (fp32 dW accumulator), one chunk (dW from a single product); rows in one
+    # program (D over Z) and the two-pass kernel (separate D)
+    for softcap, budget, single_max in ((None, 32 * 128 * 4, 1 << 15), (3.0, 32 * 128 * 6, 0),
+                                        (3.0, 2**20, 1 << 15)):
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+        monkeypatch.setattr(row_chunks, "SINGLE_PASS_MAX_V", single_max)
+        p = Problem(x, w, b, t, IGNORE, softcap, cw)
+        cf = row_coefs(p, co)
+        scale = grad_scale(p, cf)
+        p.n_valid_host = int(p.n_valid)
+        stats, grads = row_chunks.forward_with_grads(p, cf, float(scale), True, True, True, True)
+        ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                                with_weighted_sum=True, coefs=GradCoefs(*map(_d, co)),
+                                need_dx=True, need_dw=True, need_db=True)
+        ours = reference.RowStats(*stats, *grads)
+        _check_stats(ours, ref, t, 1e-5)
+        _check_grads(ours, ref._asdict(), x, w, b, 4e-3, (True, True, True))
+
+
+def test_row_chunk_log_softmax_logic(monkeypatch):
+    """row_chunks.log_softmax with a CPU stand-in for the fp32-output GEMM, several chunks."""
+    from fused_ce.kernels import row_chunks
+
+    real_mm = torch.mm
+
+    def mm(a, b, out_dtype=None, out=None):
+        r = real_mm(a.float(), b.float()).to(out_dtype or a.dtype)
+        return r if out is None else out.copy_(r)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 72 * 4)  # chunks of 16 rows
+    g = _gen()
+    x, w, b, _, _ = _inputs(41, 48, 71, torch.float16, g=g)
+    ours = row_chunks.log_softmax(x, w, b)
+    ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
+    assert ours.dtype == x.dtype and not ours.isnan().any()
+    assert _rel(ours, ref) <= 1e-3
