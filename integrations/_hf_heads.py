@@ -12,8 +12,10 @@ How one training step flows through a patched model::
                           kwargs, so the model computes no loss, and leaves a _Call on the head
       model.forward       unchanged HF code; calls the head once with its hidden states
         FusedLMHead.forward   reads weight/bias now (FSDP has them unsharded inside this forward),
-                              computes the fused loss, returns a (..., 0) placeholder as "logits"
-      _FusedLossPostHook  puts the loss into the output (first field), logits=None, clears the _Call
+                              computes the fused loss and its statistics (return_stats=True: no
+                              extra pass), returns a (..., 0) placeholder as "logits"
+      _FusedLossPostHook  puts the loss into the output (first field), logits=None, attaches the
+                          statistics as the plain attribute ``fused_ce_stats``, clears the _Call
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import fused_ce
 
 KEEP_LOGITS = ("eval", "always", "never")
 CALL_ATTR = "_fused_ce_call"
+# The attribute of a fused call's ModelOutput that holds its fused_ce.LinearCrossEntropyStats.
+STATS_ATTR = "fused_ce_stats"
 
 # Extra losses of pretraining heads: (label kwarg, output field of its logits). The model adds
 # CE(those logits, that label) to the LM loss, and computes no loss unless both labels are given.
@@ -82,7 +86,8 @@ class _Call:
     between the model's pre-hook and post-hook."""
 
     __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "causal", "softcap",
-                 "scale", "keep_logits", "aux_label", "want_tuple", "loss", "placeholder_shape")
+                 "scale", "keep_logits", "aux_label", "want_tuple", "loss", "stats",
+                 "placeholder_shape")
 
     def __init__(self, **kw):
         for name in self.__slots__:
@@ -126,7 +131,8 @@ class FusedLMHead(nn.Linear):
                 "model with fused_ce.unpatch_hf_model to use it this way)")
         # The weight and bias are read here, inside this module's forward: FSDP/ZeRO-3 have
         # them unsharded now, and device moves, casts and weight swaps are all seen.
-        call.loss = _fused_loss(call, input, self.weight, self.bias)
+        call.stats = _fused_loss(call, input, self.weight, self.bias)
+        call.loss = call.stats.loss
         if call.keep_logits:
             return F.linear(input, self.weight, self.bias)
         placeholder = input.new_empty(tuple(input.shape[:-1]) + (0,))
@@ -134,7 +140,11 @@ class FusedLMHead(nn.Linear):
         return placeholder
 
 
-def _fused_loss(call: _Call, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _fused_loss(call: _Call, x: Tensor, weight: Tensor,
+                bias: Optional[Tensor]) -> "fused_ce.LinearCrossEntropyStats":
+    """The LM loss and its statistics; per-token fields in the target's (label) layout, ``loss``
+    already divided by ``num_items_in_batch`` when given (exactly the LM part of the output's
+    loss)."""
     labels = call.labels
     if call.causal and call.shift_labels is not None:
         target = call.shift_labels
@@ -148,19 +158,24 @@ def _fused_loss(call: _Call, x: Tensor, weight: Tensor, bias: Optional[Tensor]) 
         raise ValueError(
             f"{name}: expected one label per position of the hidden states entering the output "
             f"embedding, shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
+    layout = tuple(target.shape)
     target = target.to(x.device).reshape(-1)
     x = x.reshape(-1, x.shape[-1])
     if call.scale is not None:  # s * (x W^T + b) == (s x) W^T + s b, exactly differentiable
         x = x * call.scale
         bias = None if bias is None else bias * call.scale
     reduction = "mean" if call.num_items is None else "sum"
-    loss = fused_ce.linear_cross_entropy(
+    # return_stats costs no extra pass: the fused pass has the lse and argmax of every row anyway
+    stats = fused_ce.linear_cross_entropy(
         x, weight, target, linear_bias=bias, reduction=reduction,
-        ignore_index=call.ignore_index, softcap=call.softcap)
+        ignore_index=call.ignore_index, softcap=call.softcap, return_stats=True)
+    loss = stats.loss
     if call.num_items is not None:  # HF fixed_cross_entropy: sum / num_items_in_batch
         n = call.num_items
         loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
-    return loss
+    return stats._replace(loss=loss, lse=stats.lse.reshape(layout),
+                          predicted=stats.predicted.reshape(layout),
+                          correct=stats.correct.reshape(layout))
 
 
 def _placeholder_like(value, shape) -> bool:
@@ -220,13 +235,16 @@ class FusedLossPreHook:
             ignore_index=ignore_index, causal=spec.causal,
             softcap=None if softcap is None else float(softcap), scale=_logit_scale(module, spec),
             keep_logits=spec.keep_logits == "always", aux_label=aux_label,
-            want_tuple=not return_dict, loss=None, placeholder_shape=None)
+            want_tuple=not return_dict, loss=None, stats=None, placeholder_shape=None)
         return args, kwargs
 
 
 class FusedLossPostHook:
     """Model-level forward hook (``with_kwargs=True, always_call=True``): puts the fused loss into
-    the output, drops the placeholder logits, and always clears the head's pending call."""
+    the output, drops the placeholder logits, attaches the LM head's statistics to a ModelOutput
+    as the plain attribute ``fused_ce_stats`` (not a key: ``keys()``, ``to_tuple()`` and the
+    ``return_dict=False`` tuple are those of the unpatched model), and always clears the head's
+    pending call. Outputs of calls that did not take the fused path are returned untouched."""
 
     def __init__(self, spec: FusedLossSpec):
         self.spec = spec
@@ -266,4 +284,9 @@ class FusedLossPostHook:
                 fields[name] = None
         fields["loss"] = loss
         new = type(output)(**fields)
-        return new.to_tuple() if call.want_tuple else new
+        if call.want_tuple:
+            return new.to_tuple()
+        # A plain instance attribute (ModelOutput.__setattr__ only mirrors dataclass fields into
+        # the dict); it lives on this call's output only, never on a module.
+        setattr(new, STATS_ATTR, call.stats)
+        return new

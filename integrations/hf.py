@@ -11,8 +11,10 @@ Design (one generic mechanism, no copied HF forwards, no per-instance methods, n
   ``ignore_index``, a pretraining head's ``next_sentence_label`` / ``sentence_order_label``) out of
   the kwargs when the fused path applies, so the model computes no loss, and leaves them on the
   head; the head's forward computes the fused loss from its input, reading its weight and bias
-  right then; a model-level forward hook puts the loss first into the output and sets the logits to
-  ``None``. Hooks and head class are module-level picklable objects: the patch survives
+  right then (with ``return_stats=True``, which costs no extra pass); a model-level forward hook
+  puts the loss first into the output, sets the logits to ``None`` and attaches the statistics to
+  the ``ModelOutput`` as the plain attribute ``fused_ce_stats`` (not a key; see
+  ``patch_hf_model``). Hooks and head class are module-level picklable objects: the patch survives
   ``copy.deepcopy``, ``pickle``/``torch.save`` of the whole model and ``ddp_spawn``.
 * Patch time checks what can be checked statically (plain ``nn.Linear`` head, no encoder-decoder,
   no ``final_logits_bias``) and then *verifies* the model on a 2 x 8 batch of random
@@ -333,6 +335,38 @@ def patch_hf_model(model, *, keep_logits: str = "eval"):
     the loss first. Labels must be passed as the ``labels=`` keyword (positional labels run the
     model unpatched). Models whose head does more than an ``nn.Linear`` (beyond a softcap or scale
     read from the config) are refused with a ``ValueError``.
+
+    Token statistics (``out.fused_ce_stats``): whenever a call takes the fused path (labels given,
+    and training mode or ``keep_logits`` ``"always"``/``"never"``) and returns a ``ModelOutput``,
+    that output carries the head's :class:`fused_ce.LinearCrossEntropyStats` as the plain
+    attribute ``fused_ce_stats``, computed in the same pass as the loss. It is not a key of the
+    output: ``keys()``, ``to_tuple()`` and indexing are exactly the unpatched model's. Calls that
+    run unpatched (no labels; eval mode with ``keep_logits="eval"``; a pretraining head without
+    its second label) return outputs with *no* such attribute, and ``return_dict=False`` tuples
+    never carry it, so read it with ``getattr(out, "fused_ce_stats", None)``. Fields:
+
+    * per token, with the shape of the labels the loss used (``labels``, or ``shift_labels`` when
+      a causal LM is given them), no gradient: entry ``[..., t]`` is about the logits at position
+      ``t`` (``logits[..., t, :]`` of the unpatched model, after any softcap/scale), scored
+      against ``target[..., t]``, where ``target`` is ``labels`` for masked LMs and, for causal
+      LMs, ``labels`` shifted left by one (``target[..., t] = labels[..., t + 1]``; the last
+      position has no target and counts as ignored) or ``shift_labels`` as given.
+      ``lse`` = logsumexp of those logits, ``predicted`` = their argmax (ties to the lowest id,
+      like ``torch.argmax``), ``correct`` = ``predicted == target``. Positions whose target is the
+      ignore index (-100, or the ``ignore_index=`` keyword of causal LMs) have ``lse`` 0,
+      ``predicted`` = the ignore index and ``correct`` False (the fused pass skips them).
+    * ``accuracy``: ``correct.sum() / (number of non-ignored targets)`` of this call (nan if
+      none), a 0-dim tensor; ``num_items_in_batch`` does not change it. For gradient accumulation
+      sum ``correct`` and the non-ignored counts over micro-batches instead.
+    * ``loss``: the LM loss itself (the same tensor as ``out.loss``, with its gradient, including
+      the division by ``num_items_in_batch``), except for BERT/ALBERT pretraining heads, whose
+      stats are the masked-LM head's: ``out.loss`` adds the next-sentence / sentence-order loss,
+      ``fused_ce_stats.loss`` does not. ``z_loss`` is None.
+
+    The attribute lives on that output object only (no module keeps a reference; the model stays
+    picklable). Wrappers that rebuild the output from its fields drop it (e.g. DDP with
+    ``find_unused_parameters=True``, which re-creates the output through torch's pytree);
+    ``torch.compile`` keeps it.
     """
     if isinstance(keep_logits, bool) or keep_logits not in KEEP_LOGITS:
         raise ValueError(f"keep_logits: expected one of {', '.join(map(repr, KEEP_LOGITS))}, "

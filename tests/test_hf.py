@@ -433,6 +433,130 @@ def test_patch_is_idempotent_and_updates_keep_logits():
     assert_close_loss(loss, run(ref, batch(ref))[1])
 
 
+# ----------------------------------------------------------------------------- fused_ce_stats
+def _stats_from_logits(logits, target, ignore_index=-100):
+    """What out.fused_ce_stats must hold, from explicit logits and the loss's (shifted) target."""
+    logits = logits.detach()
+    valid = target != ignore_index
+    argmax = logits.argmax(-1)
+    predicted = torch.where(valid, argmax, ignore_index)
+    correct = (argmax == target) & valid
+    lse = torch.where(valid, logits.double().logsumexp(-1), 0.0)
+    return predicted, correct, correct.sum() / valid.sum(), lse
+
+
+def assert_stats_match(stats, logits, target):
+    predicted, correct, accuracy, lse = _stats_from_logits(logits, target)
+    assert stats.predicted.shape == stats.correct.shape == stats.lse.shape == target.shape
+    assert stats.predicted.dtype == torch.int64 and stats.correct.dtype == torch.bool
+    assert torch.equal(stats.predicted, predicted)
+    assert torch.equal(stats.correct, correct)
+    assert stats.accuracy.dim() == 0 and abs(stats.accuracy.item() - accuracy.item()) < 1e-6
+    assert torch.allclose(stats.lse.double(), lse, rtol=1e-5, atol=1e-5)
+    assert not stats.lse.requires_grad and stats.z_loss is None
+
+
+def test_stats_masked_lm_with_ties():
+    """BERT MLM: per-token stats in the labels' layout, against argmax/logsumexp of the twin's
+    logits; two vocabulary entries with identical logits (zero weight rows, equal bias: an exact
+    tie) are predicted as the lower id, like torch.argmax, so a label on the higher one is wrong."""
+    ref, model = twin(MASKED_EXAMPLE)
+    lo, hi = 7, 40
+    logits = run(ref, batch(ref))[0].logits.detach()
+    for m in (ref, model):  # tie lo and hi, as the largest logit of about half the positions
+        head = m.get_output_embeddings()
+        with torch.no_grad():
+            head.weight[[lo, hi]] = 0.0
+            head.bias[[lo, hi]] = logits.max(-1).values.median()
+    kw = batch(ref)
+    logits = run(ref, kw)[0].logits.detach()
+    pred = logits.argmax(-1)
+    assert torch.equal(logits[..., lo], logits[..., hi])
+    labels = kw["labels"]
+    g = torch.Generator().manual_seed(4)
+    take = (labels != -100) & (torch.rand(labels.shape, generator=g) < 0.5)
+    labels[take] = pred[take]  # some correct predictions
+    wrong_tie = (labels != -100) & ~take & (pred == lo)
+    labels[wrong_tie] = hi  # the tie's other id: must count as wrong
+    assert wrong_tie.any() and take.any() and (pred[labels != -100] != lo).any()
+    out_ref, loss_ref, _ = run(ref, kw)
+    out, loss, _ = run(model, kw)
+    assert out.logits is None and "fused_ce_stats" not in out.keys()
+    stats = out.fused_ce_stats
+    assert_stats_match(stats, out_ref.logits, labels)
+    assert 0 < stats.accuracy.item() < 1 and not stats.correct[wrong_tie].any()
+    assert stats.loss is out.loss and stats.loss.requires_grad
+    assert_close_loss(loss, loss_ref)
+
+
+def test_stats_causal_lm_shift_ties_and_num_items():
+    """Llama: stats[b, t] are about logits[b, t] scored against labels[b, t + 1] (the last
+    position has no target: ignored), or against shift_labels[b, t] when given; a tie between two
+    identical head rows goes to the lower id; loss = out.loss, also with num_items_in_batch."""
+    ref, model = twin(CAUSAL_EXAMPLE)
+    lo, hi = 11, 60
+    for m in (ref, model):
+        w = m.get_output_embeddings().weight
+        with torch.no_grad():
+            w[lo] *= 4
+            w[hi] = w[lo]
+    kw = batch(ref)
+    logits = run(ref, kw)[0].logits.detach()
+    pred = logits.argmax(-1)
+    assert torch.equal(logits[..., lo], logits[..., hi]) and (pred == lo).any()
+    labels = kw["labels"]
+    labels[:, 1:][labels[:, 1:] != -100] = pred[:, :-1][labels[:, 1:] != -100]  # all correct...
+    labels[:, 1:][(labels[:, 1:] == lo)] = hi  # ...but the tie's other id
+    labels[:, 1::4] = -100
+    labels[0, 3] = 5
+    kw["num_items_in_batch"] = torch.tensor(23)
+    out_ref, loss_ref, _ = run(ref, kw)
+    out, loss, _ = run(model, kw)
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    stats = out.fused_ce_stats
+    assert_stats_match(stats, out_ref.logits, target)
+    assert (stats.predicted[:, -1] == -100).all() and (stats.lse[:, -1] == 0).all()
+    assert 0 < stats.accuracy.item() < 1 and (stats.predicted == lo).any()
+    assert stats.loss is out.loss
+    assert_close_loss(loss, loss_ref)
+    shift = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
+    shift[:, ::3] = -100
+    shift[1, 2] = pred[1, 2]
+    kw["shift_labels"] = shift
+    out_ref, loss_ref, _ = run(ref, kw)
+    out, loss, _ = run(model, kw)
+    assert_stats_match(out.fused_ce_stats, out_ref.logits, shift)
+    assert_close_loss(loss, loss_ref)
+
+
+def test_stats_only_on_fused_model_outputs_and_no_state_left():
+    """Pretraining: the MLM head's stats (loss without the next-sentence part); tuple outputs
+    and calls that run unpatched (eval, no labels) have no attribute; nothing stays on a module."""
+    ref, model = twin("BertForPreTraining")
+    kw = batch(ref)
+    out_ref, loss_ref, _ = run(ref, kw)
+    out, loss, _ = run(model, kw)
+    assert_close_loss(loss, loss_ref)
+    assert_stats_match(out.fused_ce_stats, out_ref.prediction_logits, kw["labels"])
+    mlm = nn.functional.cross_entropy(out_ref.prediction_logits.reshape(-1, V),
+                                      kw["labels"].reshape(-1))
+    assert_close_loss(out.fused_ce_stats.loss.detach(), mlm.detach())
+    assert len(out.to_tuple()) == len(out_ref.to_tuple()) - 1
+    head = model.get_output_embeddings()
+    assert head.__dict__["_fused_ce_call"] is None
+    assert not any(isinstance(v, fused_ce.LinearCrossEntropyStats)
+                   for m in model.modules() for v in vars(m).values())
+    kw_tuple = dict(kw, return_dict=False)
+    out = model(**kw_tuple)
+    assert isinstance(out, tuple) and not hasattr(out, "fused_ce_stats")
+    copy_ = pickle.loads(pickle.dumps(model))  # after calls: still picklable, still patched
+    assert run(copy_, kw)[0].fused_ce_stats is not None
+    model.eval()
+    with torch.no_grad():
+        assert not hasattr(model(**kw), "fused_ce_stats")  # keep_logits="eval": unpatched run
+        assert not hasattr(model(input_ids=kw["input_ids"]), "fused_ce_stats")
+
+
 # ----------------------------------------------------------------------------- persistence
 def _roundtrips(model):
     yield "deepcopy", copy.deepcopy(model)
@@ -692,7 +816,7 @@ def test_torch_compile():
         kw = batch(ref, seed=seed)
         _, loss_ref, g_ref = run(ref, kw)
         out, loss, g = run(compiled, kw)
-        assert out.logits is None
+        assert out.logits is None and out.fused_ce_stats.predicted.shape == (B, S)
         assert_close_loss(loss, loss_ref)
         assert_grads_equal({k.removeprefix("_orig_mod."): v for k, v in g.items()}, g_ref)
     assert fused_ce.is_patched(compiled)
