@@ -19,8 +19,8 @@ if torch.cuda.is_available():
 def path(request, monkeypatch):
     """Both CUDA paths of forward-with-gradients: the row-chunk cuBLAS path (16-bit inputs,
     small heads) and the all-Triton vocabulary sweep (forced by a zero dW32 limit)."""
-    if request.param == "vocab_sweep":
-        monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 0)
+    monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES",
+                        0 if request.param == "vocab_sweep" else 1 << 62)
     return request.param
 
 
@@ -91,6 +91,7 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
     if which == "vocab_sweep":
         monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 0)
     else:
+        monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 1 << 62)
         from fused_ce.kernels import row_chunks
         assert row_chunks.cublas_fp32_out_available(torch.device("cuda"))
     n, h, v = 3000, 1024, 10007  # V prime, rows not a multiple of any tile

@@ -8,10 +8,10 @@
   writing ``z - lse`` (log_probs.py).
 
 Valid rows are compacted on the device and the Triton kernels read their count from device
-memory: ignored rows cost nothing and nothing waits on the host. One exception, for speed:
-``forward`` with gradients of a 16-bit BERT-class head (fp32 dW <= 512 MiB, not low_memory, not
-while a CUDA graph is captured) takes the row-chunk cuBLAS path (row_chunks.py), which reads the
-valid-row count on the host once per call. Results are
+memory: ignored rows cost nothing and nothing waits on the host. The row-chunk cuBLAS path
+(row_chunks.py), which reads the valid-row count on the host once per call, serves 16-bit
+``log_softmax``; for the loss it is off by default (``config.ROW_CHUNK_MAX_DW32_BYTES``: it was
+slower on the H200 except at Llama-3 scale, see benchmarks/RESULTS.md). Results are
 deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the reference
 (Triton's fp64 dot is not worth a kernel).
 """

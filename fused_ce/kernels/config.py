@@ -35,9 +35,13 @@ D_BYTES_LOW_MEMORY = 8 * 2**20
 # Memory-minimal mode computes dX in row blocks whose fp32 accumulator stays under this.
 DX_ACC_BYTES_LOW_MEMORY = 4 * 2**20
 # Row-chunk cuBLAS path (row_chunks.py): Z (fp32) + D per chunk, and the largest fp32 dW
-# accumulator (4 V H bytes) for which it is chosen over the vocabulary sweep.
+# accumulator (4 V H bytes) for which it is chosen over the vocabulary sweep for the loss.
+# 0 = never: on the H200 (2026-12-02, benchmarks/RESULTS.md) the vocabulary sweep was faster on
+# the BERT shapes (8.4 vs 15.9 ms at 8192x1024x30258, 4.4 vs 6.3 ms MLM) and on Gemma-2, and it
+# reads nothing back to the host; the row-chunk path was faster only at Llama-3 (137 vs 181 ms)
+# for 1.1 GiB more memory. 16-bit log_softmax still uses the row-chunk kernels (1.66 ms).
 ROW_CHUNK_BYTES = 256 * 2**20
-ROW_CHUNK_MAX_DW32_BYTES = 512 * 2**20
+ROW_CHUNK_MAX_DW32_BYTES = 0
 # Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
 CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
 
