@@ -74,6 +74,14 @@ def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob
             bias.new_empty(bias.shape) if (need_db and bias is not None) else x.new_empty(0))
 
 
+def _tracing(t: Tensor) -> bool:
+    """True while torch.compile / AOT autograd traces (fake or functional tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return torch.compiler.is_compiling() or is_fake(t) or isinstance(t, FunctionalTensor)
+
+
 def _sum_setup(ctx, inputs, output):
     _, lse, argmax, dx, dw, db = output
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
@@ -93,7 +101,10 @@ def _sum_backward(ctx, g_loss, *_):
     ctx.consumed = True
     dx, dw, db = ctx.saved_tensors
     need = ctx.needs_input_grad
-    scale = lambda grad: grad.mul_(g_loss.to(grad.dtype))  # noqa: E731
+    if _tracing(dx):  # graph capture (AOT autograd) needs functional code: scale out of place
+        scale = lambda grad: grad * g_loss.to(grad.dtype)  # noqa: E731
+    else:
+        scale = lambda grad: grad.mul_(g_loss.to(grad.dtype))  # noqa: E731
     return (scale(dx) if need[0] else None, scale(dw) if need[1] else None,
             scale(db) if need[2] else None) + (None,) * 13
 
