@@ -82,6 +82,12 @@ def check_loss_options(target: Tensor, input: Tensor, vocab: int, weight: Option
         if tuple(weight.shape) != (vocab,):
             raise ValueError(f"weight: expected class weights of shape ({vocab},), got {tuple(weight.shape)}")
     check_same_device({"input": input, "target": target, "weight": weight})
+    check_options(reduction, ignore_index, label_smoothing, z_loss, softcap)
+
+
+def check_options(reduction: str, ignore_index: int, label_smoothing: float, z_loss: float,
+                  softcap: Optional[float]) -> None:
+    """The non-tensor options of the loss (also checked when a loss module is built)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

@@ -92,9 +92,9 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
         d_nll = d_z = ones
     # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway.
     a = torch.where(valid, (1 - label_smoothing) * w_t / d_nll, 0)
-    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0).expand_as(a)
-    e = torch.where(valid, z_loss / d_z, 0).expand_as(a)
-    coefs = GradCoefs(target=a, smooth=c.contiguous(), prob=a + c * w_sum, lse_sq=e.contiguous())
+    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0)
+    e = torch.where(valid, z_loss / d_z, 0)
+    coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum, lse_sq=e)
     return coefs, d_nll
 
 

@@ -31,9 +31,7 @@ class FusedCrossEntropy(nn.Module):
             if weight.dim() != 1:
                 raise ValueError(f"weight: expected class weights of shape (V,), got {tuple(weight.shape)}")
         # Options are checked here too, so a bad module fails at construction, not at step 1.
-        dummy = torch.zeros(1, 1)
-        check.check_loss_options(torch.zeros(1, dtype=torch.long), dummy, 1 if weight is None else weight.numel(),
-                                 None, reduction, ignore_index, label_smoothing, z_loss, softcap)
+        check.check_options(reduction, ignore_index, label_smoothing, z_loss, softcap)
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
         self.reduction = reduction

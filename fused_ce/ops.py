@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from fused_ce._dispatch import backend_for
-from fused_ce.reference import GradCoefs, accumulation_dtype
+from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows
 
 _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the fused loss is not "
                     "supported; compute higher-order gradients from explicit logits instead")
@@ -212,7 +212,7 @@ def _lsm_backward(ctx, g_out):
     dx = torch.empty_like(x) if need[0] else None
     dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if need[1] else None
     db = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if (need[2] and ctx.has_bias) else None
-    step = max(1, (32 << 20) // (4 * max(1, weight.shape[0])))
+    step = chunk_rows(weight.shape[0], acc, 2, False)  # dz and the exp of the output
     for s in range(0, x.shape[0], step):
         g = g_out[s:s + step].to(acc)
         dz = g - out[s:s + step].to(acc).exp() * g.sum(1, keepdim=True)

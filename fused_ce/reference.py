@@ -80,7 +80,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -> int:
+def chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -> int:
+    """Rows per chunk so that `buffers` logits-sized chunks stay within the workspace budget."""
     budget = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     per_row = max(1, vocab) * torch.finfo(dtype).bits // 8 * buffers
     return max(1, budget // per_row)
@@ -157,7 +158,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         argmax = torch.full((n,), ignore_index, dtype=torch.long, device=x.device)
 
     rows_all = _processed_rows(target, ignore_index)
-    step = _chunk_rows(vocab, acc, 2 if softcap is not None else 1, low_memory)
+    step = chunk_rows(vocab, acc, 2 if softcap is not None else 1, low_memory)
     for start in range(0, rows_all.numel(), step):
         rows = rows_all[start:start + step]
         xc, z = ch.logits(rows)
@@ -221,7 +222,7 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     n, vocab = x.shape[0], weight.shape[0]
     out = torch.empty((n, vocab), dtype=x.dtype, device=x.device)
     ch = _Chunker(x, weight, bias, None, None)
-    step = _chunk_rows(vocab, ch.acc, 1, False)
+    step = chunk_rows(vocab, ch.acc, 1, False)
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)
         _, z = ch.logits(rows)
