@@ -86,7 +86,12 @@ def test_matches_fp64_oracle(p, seed):
         if torch.isnan(wg).any():  # mean over nothing: torch's grads are nan or 0 -- match either
             assert torch.isnan(gg).any() or torch.count_nonzero(gg) == 0
             continue
-        assert_close(gg, wg, eg, tol)
+        # fp64 inputs: "eager" is the oracle itself, so rounding in a cancellation (p - 1 with
+        # p = 1 - 1e-7) has nothing to hide behind; allow it at a few hundred fp64 ulps.
+        atol = 1e-30
+        if p["dtype"] == torch.float64 and upstream.numel():
+            atol = 1e-13 * upstream.abs().max().item()
+        assert_close(gg, wg, eg, tol, atol)
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
