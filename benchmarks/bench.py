@@ -10,7 +10,9 @@ buffers, which are also reported alone), and relative errors against an fp32 ref
 bf16 inputs (loss: |a-b|/|b|; gradients: ||a-b|| / ||b||). Prints a table, writes results.json and
 PNG plots (time and memory against vocabulary size and token count) to --out.
 
-Methods: fused_ce (default), fused_ce_lowmem (low_memory=True), eager (bf16 F.linear +
+Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
+all-Triton vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True), fused_ce_again (fused_ce once more, after the peers: a check
+that the order of methods does not change the numbers), eager (bf16 F.linear +
 F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
 cce (cut_cross_entropy.linear_cross_entropy, no bias), torch_lce (torch's chunked
 F.linear_cross_entropy, torch >= 2.13), kernels (fused_ce.kernels.forward with gradients called
@@ -43,7 +45,7 @@ SHAPES = {
     "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
 }
-CE_METHODS = ["fused_ce", "fused_ce_rowchunk", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
+CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_sweep", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
               "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
 MiB = 2**20
@@ -76,23 +78,22 @@ def _fused_api():
 
 def method_fn(name, kind, x, w, b, t):
     """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax')."""
-    if name in ("fused_ce", "fused_ce_lowmem"):
+    if name in ("fused_ce", "fused_ce_lowmem", "fused_ce_again"):
         lce, lls = _fused_api()
         if kind == "logsoftmax":
             return lambda: lls(x, w, b)
         low = name == "fused_ce_lowmem"
         return lambda: lce(x, w, t, linear_bias=b, low_memory=low)
-    if name == "fused_ce_rowchunk":  # the row-chunk cuBLAS path at any head size
+    if name == "fused_ce_sweep":  # the all-Triton vocabulary sweep (the CUDA-graph path)
         from fused_ce.kernels import config
         lce, _ = _fused_api()
 
         def run():
-            old = config.ROW_CHUNK_MAX_DW32_BYTES
-            config.ROW_CHUNK_MAX_DW32_BYTES = 1 << 62
+            config.ROW_CHUNKS = False
             try:
                 return lce(x, w, t, linear_bias=b)
             finally:
-                config.ROW_CHUNK_MAX_DW32_BYTES = old
+                config.ROW_CHUNKS = True
         return run
     if name == "eager":
         if kind == "logsoftmax":

@@ -5,6 +5,8 @@ the reduction, class weights, label smoothing and z-loss)::
 
     loss_i = prob_i * lse_i - target_i * z_{i,t_i} - smooth_i * sum_j w_j z_ij + lse_sq_i * lse_i**2
 
+Both loss ops check that every target is ``ignore_index`` or a column of the weight (ValueError
+otherwise, before any gradient exists): the backend does it at its one host synchronization.
 Two ops, chosen by how the upstream gradient is shaped:
 
 * ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``. When gradients are needed they are computed in
@@ -56,7 +58,7 @@ def linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
         x, weight, bias, target, ignore_index, softcap, class_weight,
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
-        low_memory=low_memory)
+        low_memory=low_memory, check_targets=True)
     loss = _row_loss(stats, coefs).sum()
     grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
     return (loss, stats.lse.clone(), stats.argmax.clone(), *grads)
@@ -123,7 +125,8 @@ def linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
     """(row losses, lse, argmax)."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
     stats = backend_for(x).forward(x, weight, bias, target, ignore_index, softcap, class_weight,
-                                   with_weighted_sum=with_weighted_sum, low_memory=low_memory)
+                                   with_weighted_sum=with_weighted_sum, low_memory=low_memory,
+                                   check_targets=True)
     return _row_loss(stats, coefs), stats.lse.clone(), stats.argmax.clone()
 
 

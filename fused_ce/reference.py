@@ -49,6 +49,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from fused_ce._validation import check_target_values
+
 # Bytes of logits-sized fp32 workspace one row chunk may use. Big enough for efficient GEMMs,
 # small enough that the whole forward+backward stays far below the logits' size.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
@@ -200,8 +202,12 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             softcap: Optional[float], class_weight: Optional[Tensor], *,
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
-            low_memory: bool = False) -> RowStats:
-    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given."""
+            low_memory: bool = False, check_targets: bool = False) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given.
+    ``check_targets``: raise ValueError for a target outside ``[0, V)`` that is not
+    ``ignore_index`` (else such a row is "out of shard", see above)."""
+    if check_targets:
+        check_target_values(target, weight.shape[0], ignore_index)
     return _run(x, weight, bias, target, ignore_index, softcap, class_weight, lse_in=None,
                 coefs=coefs, with_weighted_sum=with_weighted_sum, need_dx=need_dx,
                 need_dw=need_dw, need_db=need_db, low_memory=low_memory)

@@ -118,7 +118,7 @@ def test_forward_stats(n, h, v, dtype, softcap):
 
 @pytest.mark.parametrize("need", [c for c in itertools.product([False, True], repeat=3) if any(c)])
 @pytest.mark.parametrize("low_memory", [False, True])
-def test_forward_grads_every_combination(need, low_memory, small_chunks):
+def test_forward_grads_every_combination(need, low_memory, small_chunks, grad_path):
     g = _gen()
     x, w, b, t, cw = _inputs(37, 70, 89, torch.float32, class_weight=True, g=g)
     co = _coefs(37, g)
@@ -136,7 +136,8 @@ def test_forward_grads_every_combination(need, low_memory, small_chunks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("low_memory", [False, True])
 @pytest.mark.parametrize("bias,softcap,class_weight", [(True, None, False), (False, 4.0, True)])
-def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, small_chunks):
+def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, small_chunks,
+                            grad_path):
     g = _gen()
     n, h, v = 25, 70, 67
     x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight, g=g)
@@ -153,6 +154,20 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
+def test_out_of_range_target_raises(grad_path):
+    """check_targets: a target outside [0, V) that is not ignore_index raises (the row-chunk
+    path reads the count with its one host sync); without it the row is out of shard."""
+    g = _gen()
+    x, w, b, t, _ = _inputs(12, 48, 53, torch.float32, out_of_shard=False, g=g)
+    t[5] = 53
+    co = _coefs(12, g)
+    with pytest.raises(ValueError, match="target"):
+        kernels.forward(x, w, b, t, IGNORE, None, None, coefs=co, need_dx=True,
+                        check_targets=True)
+    out = kernels.forward(x, w, b, t, IGNORE, None, None, coefs=co, need_dx=True)
+    assert out.target_logit[5] == 0
+
+
 def test_default_budget_single_chunk():
     """Without the test override: the real workspace sizing (one chunk at these sizes)."""
     g = _gen()
@@ -167,7 +182,7 @@ def test_default_budget_single_chunk():
         _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
 
 
-def test_all_rows_ignored():
+def test_all_rows_ignored(grad_path):
     g = _gen()
     x, w, b, t, _ = _inputs(9, 70, 41, torch.float32, g=g)
     t[:] = IGNORE
@@ -179,7 +194,7 @@ def test_all_rows_ignored():
     assert (out.argmax == IGNORE).all()
 
 
-def test_argmax_ties_take_first_column():
+def test_argmax_ties_take_first_column(grad_path):
     """Small-integer inputs make every logit exact in any summation order, so ties are real
     ties (many of them, within a tile and across tiles and vocabulary splits): the first column
     attaining the max must win, as torch.argmax's rule."""
@@ -191,7 +206,8 @@ def test_argmax_ties_take_first_column():
     w[100] = w[140] = w[5]  # guaranteed ties across tiles (and splits)
     b[100] = b[140] = b[5]
     t = torch.randint(0, v, (n,), generator=g)
-    out = kernels.forward(x, w, b, t, IGNORE, None, None)
+    # with gradients asked for, so that the row-chunk path computes the statistics too
+    out = kernels.forward(x, w, b, t, IGNORE, None, None, coefs=_coefs(n, g), need_dx=True)
     exact = x.double() @ w.double().t() + b.double()
     assert torch.equal(out.argmax, exact.argmax(1))
     assert torch.equal(out.max_logit.double(), exact.max(1).values)
@@ -209,7 +225,7 @@ def test_log_softmax(n, h, v, dtype):
     assert _rel(ours, ref) <= tol
 
 
-def test_nonfinite_input_propagates():
+def test_nonfinite_input_propagates(grad_path):
     g = _gen()
     x, w, b, t, _ = _inputs(10, 48, 53, torch.float32, ignored=0.0, out_of_shard=False, g=g)
     x[4, 7] = float("nan")
@@ -226,48 +242,38 @@ def test_supports_under_interpreter():
     assert kernels.supports(torch.zeros(1))
 
 
-def test_row_chunk_path_logic(monkeypatch):
-    """The row-chunk cuBLAS path (row_chunks.py) with CPU stand-ins for the fp32-output GEMMs:
-    its Triton kernel and chunk bookkeeping against the oracle (fp16, several chunks, ignored
-    rows, out-of-shard targets, class weights, softcap)."""
-    from fused_ce.kernels import row_chunks
-    from fused_ce.kernels.gradients import grad_scale, row_coefs
-    from fused_ce.kernels.problem import Problem
+@pytest.fixture(params=["vocab_sweep", "row_chunks"])
+def grad_path(request, monkeypatch):
+    """Both paths of forward-with-gradients: the all-Triton vocabulary sweep, and the row-chunk
+    path (row_chunks.py; CPU fp32 GEMMs stand in for cuBLAS) with a Z budget of a few rows, so
+    that dW is accumulated over several chunks."""
+    if request.param == "row_chunks":
+        monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)  # 7 rows of Z at V <= 128
+    return request.param
 
-    real_mm = torch.mm
 
-    def mm(a, b, out_dtype=None, out=None):
-        r = real_mm(a.float(), b.float()).to(out_dtype or a.dtype)
-        return r if out is None else out.copy_(r)
-
-    def addmm(c, a, b, beta=1, alpha=1, out_dtype=None, out=None):
-        r = alpha * real_mm(a.float(), b.float())
-        r = (r if beta == 0 else r + beta * c.float()).to(out_dtype or a.dtype)
-        return r if out is None else out.copy_(r)
-
-    monkeypatch.setattr(torch, "mm", mm)
-    monkeypatch.setattr(torch, "addmm", addmm)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap,class_weight,budget", [(None, False, 7 * 128 * 4),
+                                                         (3.0, True, 7 * 128 * 4),
+                                                         (None, True, 2**20)])
+def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
+    """The row-chunk path through kernels.forward: several chunks (fp32 dW accumulator) or one
+    chunk (dW from a single product); fp16 writes D over Z's rows. Ignored rows, out-of-shard
+    targets, mean-sized coefficients (fp16 gradient scaling)."""
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
     g = _gen()
     n, h, v = 90, 48, 71
-    x, w, b, t, cw = _inputs(n, h, v, torch.float16, class_weight=True, g=g)
-    co = GradCoefs(*(c / n for c in _coefs(n, g)))  # mean-sized coefficients: fp16 scaling
-    # 32-row chunks (fp32 dW accumulator), one chunk (dW from a single product); rows in one
-    # program (D over Z) and the two-pass kernel (separate D)
-    for softcap, budget, single_max in ((None, 32 * 128 * 4, 1 << 15), (3.0, 32 * 128 * 6, 0),
-                                        (3.0, 2**20, 1 << 15)):
-        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
-        monkeypatch.setattr(row_chunks, "SINGLE_PASS_MAX_V", single_max)
-        p = Problem(x, w, b, t, IGNORE, softcap, cw)
-        cf = row_coefs(p, co)
-        scale = grad_scale(p, cf)
-        p.n_valid_host = int(p.n_valid)
-        stats, grads = row_chunks.forward_with_grads(p, cf, float(scale), True, True, True, True)
-        ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
-                                with_weighted_sum=True, coefs=GradCoefs(*map(_d, co)),
-                                need_dx=True, need_dw=True, need_db=True)
-        ours = reference.RowStats(*stats, *grads)
-        _check_stats(ours, ref, t, 1e-5)
-        _check_grads(ours, ref._asdict(), x, w, b, 4e-3, (True, True, True))
+    x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=class_weight, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    _check_stats(ours, ref, t, 1e-5)
+    _check_grads(ours, ref._asdict(), x, w, b, TOL[dtype]["grads"], (True, True, True))
+    assert (ours.dx[t == IGNORE] == 0).all()
 
 
 def test_row_chunk_log_softmax_logic(monkeypatch):

@@ -15,18 +15,20 @@ if torch.cuda.is_available():
     from fused_ce.reference import GradCoefs
 
 
-@pytest.fixture(params=["row_chunks", "vocab_sweep"])
+@pytest.fixture(params=["row_chunks", "row_chunks_multi", "vocab_sweep"])
 def path(request, monkeypatch):
-    """Both CUDA paths of forward-with-gradients: the row-chunk cuBLAS path (16-bit inputs,
-    small heads) and the all-Triton vocabulary sweep (forced by a zero dW32 limit)."""
-    monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES",
-                        0 if request.param == "vocab_sweep" else 1 << 62)
+    """The CUDA paths of forward-with-gradients: the row-chunk cuBLAS path (the default for
+    16-bit inputs; "multi" with a Z budget small enough for several chunks, so that dW goes
+    through the fp32 accumulator) and the all-Triton vocabulary sweep."""
+    monkeypatch.setattr(config, "ROW_CHUNKS", request.param != "vocab_sweep")
+    if request.param == "row_chunks_multi":
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)
     return request.param
 
 
 @pytest.fixture
 def sweep_only(monkeypatch):
-    monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 0)
+    monkeypatch.setattr(config, "ROW_CHUNKS", False)
 
 LOSS_TOL = 1e-5   # relative error of the mean loss vs an fp32/fp64 reference
 GRAD_TOL = 2.5e-3  # relative (norm) error of dx, dW, db vs the fp64 reference on the same inputs
@@ -82,18 +84,18 @@ def _oracle(x, w, b, t, coefs, **kw):
 
 _CASES = [(dt, low, cap, "vocab_sweep") for dt in (torch.bfloat16, torch.float16, torch.float32)
           for low in (False, True) for cap in (None, 30.0)]
-_CASES += [(dt, False, cap, "row_chunks") for dt in (torch.bfloat16, torch.float16)
-           for cap in (None, 30.0)]
+_CASES += [(dt, False, cap, which) for dt in (torch.bfloat16, torch.float16)
+           for cap in (None, 30.0) for which in ("row_chunks", "row_chunks_multi")]
 
 
 @pytest.mark.parametrize("dtype,low_memory,softcap,which", _CASES)
 def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypatch):
-    if which == "vocab_sweep":
-        monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 0)
-    else:
-        monkeypatch.setattr(config, "ROW_CHUNK_MAX_DW32_BYTES", 1 << 62)
+    monkeypatch.setattr(config, "ROW_CHUNKS", which != "vocab_sweep")
+    if which != "vocab_sweep":
         from fused_ce.kernels import row_chunks
         assert row_chunks.cublas_fp32_out_available(torch.device("cuda"))
+        if which == "row_chunks_multi":  # 3000 rows of 40 KiB: 4 chunks
+            monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 32 * 2**20)
     n, h, v = 3000, 1024, 10007  # V prime, rows not a multiple of any tile
     x, w, b, t = _inputs(n, h, v, dtype)
     coefs = _mean_coefs(t, n)

@@ -1,19 +1,21 @@
 """Triton kernels for CUDA: the same contract as ``fused_ce.reference`` (see its docstring).
 
-* ``forward``: one fused sweep computes lse, target logit, sum_j w_j z_ij, max and argmax per row
-  without storing logits (row_stats.py); with ``coefs`` the gradients follow (gradients.py).
-* ``backward``: the gradients from a given lse.
+* ``forward``: per-row statistics of the logits; with ``coefs`` also their gradients.
+  - 16-bit inputs with gradients, outside CUDA-graph capture (the default training path):
+    row_chunks.py, three cuBLAS GEMMs per chunk of valid rows with the softmax work in one Triton
+    kernel between them. It reads the number of valid rows on the host once per call.
+  - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one fused sweep
+    computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
+    (row_stats.py), and the gradients follow from vocabulary sweeps (gradients.py). Valid rows
+    are compacted on the device and the kernels read their count from device memory: ignored
+    rows cost nothing and nothing waits on the host.
+* ``backward``: the gradients from a given lse, through the same two paths.
 * ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
   chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
   writing ``z - lse`` (log_probs.py).
 
-Valid rows are compacted on the device and the Triton kernels read their count from device
-memory: ignored rows cost nothing and nothing waits on the host. The row-chunk cuBLAS path
-(row_chunks.py), which reads the valid-row count on the host once per call, serves 16-bit
-``log_softmax``; for the loss it is off by default (``config.ROW_CHUNK_MAX_DW32_BYTES``: it was
-slower on the H200 except at Llama-3 scale, see benchmarks/RESULTS.md). Results are
-deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the reference
-(Triton's fp64 dot is not worth a kernel).
+Results are deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the
+reference (Triton's fp64 dot is not worth a kernel).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from fused_ce import reference
+from fused_ce._validation import check_target_values
 from fused_ce.reference import GradCoefs, RowStats
 
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
@@ -81,23 +84,21 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             softcap: Optional[float], class_weight: Optional[Tensor], *,
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
-            low_memory: bool = False) -> RowStats:
+            low_memory: bool = False, check_targets: bool = False) -> RowStats:
     """Per-row statistics of the logits, plus their gradients when ``coefs`` is given."""
     if _use_reference(x, weight):
         return reference.forward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                  with_weighted_sum=with_weighted_sum, coefs=coefs,
                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                                 low_memory=low_memory)
+                                 low_memory=low_memory, check_targets=check_targets)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     want = coefs is not None and (need_dx or need_dw or need_db)
-    if want and p.N > 0 and row_chunks.applicable(p, low_memory):
-        cf = row_coefs(p, coefs)
-        scale = grad_scale(p, cf)
-        # the one host sync of this path: cuBLAS needs the number of valid rows
-        p.n_valid_host, d_scale = torch.cat([p.n_valid.double(), scale.double()]).tolist()
-        stats, grads = row_chunks.forward_with_grads(p, cf, d_scale, with_weighted_sum,
-                                                     need_dx, need_dw, need_db)
+    if want and row_chunks.applicable(p, low_memory):
+        stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
+                                   check_targets=check_targets)
         return RowStats(*stats, *_cast(grads, weight))
+    if check_targets:
+        check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
     grads = (None, None, None)
     if want:
@@ -116,8 +117,26 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                                   lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                                   low_memory=low_memory)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
+    if row_chunks.applicable(p, low_memory):
+        _, grads = _row_chunks(p, coefs, False, need_dx, need_dw, need_db, lse_in=lse)
+        return _cast(grads, weight)
     return _cast(gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                            low_memory=low_memory), weight)
+
+
+def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
+                check_targets=False):
+    cf = row_coefs(p, coefs)
+    scale = grad_scale(p, cf)
+    # The one host sync of this path: cuBLAS needs the number of valid rows; the fp16 scale and
+    # the count of out-of-range targets come with it (an error is then raised with details).
+    n_bad = (p.valid & ((p.target < 0) | (p.target >= p.V))).sum().reshape(1)
+    p.n_valid_host, d_scale, bad = torch.cat(
+        [p.n_valid.double(), scale.double(), n_bad.double()]).tolist()
+    if check_targets and bad:
+        check_target_values(p.target, p.V, p.ignore_index)
+    return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
+                                         lse_in=lse_in)
 
 
 def _cast(grads, weight: Tensor):

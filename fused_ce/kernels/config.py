@@ -14,6 +14,8 @@ GPU = {
     # programs per multiprocessor the statistics pass aims for (vocabulary splits fill the
     # machine when few rows are valid)
     "stats_programs_per_sm": 8,
+    # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound
+    "row_finish": dict(BLOCK_V=2048, num_warps=4),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -28,20 +30,22 @@ INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
+    "row_finish": dict(BLOCK_V=32, num_warps=1),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20
 D_BYTES_LOW_MEMORY = 8 * 2**20
 # Memory-minimal mode computes dX in row blocks whose fp32 accumulator stays under this.
 DX_ACC_BYTES_LOW_MEMORY = 4 * 2**20
-# Row-chunk cuBLAS path (row_chunks.py): Z (fp32) + D per chunk, and the largest fp32 dW
-# accumulator (4 V H bytes) for which it is chosen over the vocabulary sweep for the loss.
-# 0 = never: on the H200 (2026-12-02, benchmarks/RESULTS.md) the vocabulary sweep was faster on
-# the BERT shapes (8.4 vs 15.9 ms at 8192x1024x30258, 4.4 vs 6.3 ms MLM) and on Gemma-2, and it
-# reads nothing back to the host; the row-chunk path was faster only at Llama-3 (137 vs 181 ms)
-# for 1.1 GiB more memory. 16-bit log_softmax still uses the row-chunk kernels (1.66 ms).
+# Row-chunk cuBLAS path (row_chunks.py), the default for 16-bit losses with gradients on CUDA
+# outside graph capture: bytes of the fp32 logits chunk Z, half the fp32 dW accumulator within
+# [ROW_CHUNK_BYTES, ROW_CHUNK_BYTES_MAX] (all valid rows go in one chunk when they fit in twice
+# that). ROW_CHUNKS = False forces the all-Triton vocabulary sweep; ROW_CHUNKS_ON_CPU runs the
+# path under the interpreter (tests).
 ROW_CHUNK_BYTES = 256 * 2**20
-ROW_CHUNK_MAX_DW32_BYTES = 0
+ROW_CHUNK_BYTES_MAX = 2**30
+ROW_CHUNKS = True
+ROW_CHUNKS_ON_CPU = False
 # Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
 CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
 

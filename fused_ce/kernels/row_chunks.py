@@ -1,27 +1,27 @@
-"""The fast path for vocabularies whose fp32 dW fits comfortably (BERT-class heads): three
-cuBLAS GEMMs per row chunk, the softmax work in one Triton kernel between them.
+"""The default CUDA path for 16-bit losses with gradients: three cuBLAS GEMMs per chunk of valid
+rows, the softmax work in one memory-bound Triton kernel between them.
 
-The weight is copied once per call into ``Wp`` with V padded to a multiple of 64 (zero rows):
-cuBLAS runs 2-3x slower when V is not a multiple of 8 (measured on the H200: 240 vs 530-690
-TFLOP/s at V=30258; NOTES.md). Per chunk of c compacted valid rows::
+Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
 
-    Z  = x_c @ Wp.T                    cuBLAS, fp32 output (c x Vpad)
-    finish_rows_kernel                 per row: + bias, softcap, online lse / max / argmax /
-                                       target logit / sum_j w_j z_j; then dz (input dtype) -> D,
-                                       zero in the padded columns. When a whole row fits one
-                                       program (Vpad <= 32768) Z is read once and D is written
-                                       over Z's own row (no second buffer).
-    dX[rows_c]  = D @ Wp               cuBLAS, fp32 output, rounded once into dX (full
-                                       vocabulary in one product; the fp32 output also keeps
-                                       cuBLAS from reducing split-K partials in 16 bits)
-    dW32       += D.T @ x_c            cuBLAS into an fp32 accumulator (no bf16 drift); a single
-                                       chunk writes dW directly (one product over all rows)
+    Z  = x_c @ Wp.T                    cuBLAS, fp32 output; Wp = W with V padded to a multiple
+                                       of 64 by zero rows (a copy only when V is not one)
+    finish_rows_kernel                 per row: + bias (once), softcap; pass 1 folds the row into
+                                       lane-wise running max / sum-exp / argmax / sum_j w_j z_j
+                                       and reduces them once; pass 2 writes dz (input dtype) over
+                                       the first half of Z's own row. With a given lse (the
+                                       backward of reduction='none') pass 1 is skipped.
+    dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
+                                       output also keeps cuBLAS from reducing split-K partials
+                                       in 16 bits)
+    dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
+                                       chunk writes dW directly from one product over all rows
     db32       += column sums of D     (fp32)
 
-Three GEMM-equivalents. Workspace: Z (and D when rows do not fit one program) within
-config.ROW_CHUNK_BYTES, Wp, and the fp32 dW (4 V H bytes) when there are several chunks.
-cuBLAS needs the number of valid rows on the host: this path synchronises once per call (one read
-of two scalars), so it is not used while a CUDA graph is being captured.
+Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
+``config.ROW_CHUNK_BYTES``, or twice that when all valid rows fit in one chunk) and the fp32 dW
+(4 V H bytes) when there are several chunks. cuBLAS needs the number of valid rows on the host:
+this path reads it (with the fp16 gradient scale) once per call, so it is not used while a CUDA
+graph is being captured; the vocabulary sweep (gradients.py) serves that case.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fused_ce.kernels import config
 from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem
 
-SINGLE_PASS_MAX_V = 32768  # a whole row of logits in one program's registers
+SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
 
 
 @triton.jit
@@ -50,18 +50,18 @@ def _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _grad(z, cols, mask, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
+def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
           HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dz of one row's logits (module doc of grad_logits.py), 0 on masked columns."""
+    """dz of one row's logits (module doc of grad_logits.py), 0 on columns not ``valid``."""
     dz = alpha * tl.exp(z - lse) - tl.where(cols == tgt, c_tgt, 0.0)
     if HAS_CW:
-        dz -= c_smooth * tl.load(cw_ptr + cols, mask=mask, other=0.0)
+        dz -= c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0)
     else:
         dz -= c_smooth
     if HAS_SOFTCAP:
         u = z / softcap
         dz *= 1.0 - u * u
-    return tl.where(mask, dz, 0.0)
+    return tl.where(valid, dz, 0.0)
 
 
 @triton.jit
@@ -69,69 +69,78 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
                        c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-                       WITH_WS: tl.constexpr, NEED_D: tl.constexpr, SINGLE: tl.constexpr,
-                       BLOCK_V: tl.constexpr):
-    """One program per row of the chunk. SINGLE: BLOCK_V >= VPAD, the row is loaded once and
-    D may alias Z (every load precedes every store through the lse dependency)."""
+                       WITH_WS: tl.constexpr, NEED_D: tl.constexpr, LSE_IN: tl.constexpr,
+                       D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per row r of the chunk (compacted position c0 + r). Z and the bias are
+    readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
+    the columns [0, V). Writes the row's statistics (unless LSE_IN: then ``lse_ptr`` is read)
+    and, with NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
     r = tl.program_id(0)
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
     z_row = z_ptr + r.to(tl.int64) * ldz
-    m = float("-inf")
-    s = 0.0
-    best = float("-inf")
-    am = 0
-    zt = 0.0
-    ws = 0.0
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        z = _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS, HAS_SOFTCAP)
-        zm = tl.where(mask, z, float("-inf"))
-        tile_max = tl.max(zm, 0)
-        m_new = tl.maximum(m, tile_max)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(zm - m_new), 0)
-        m = m_new
-        # first column attaining the max; a later tile must be strictly larger to win
-        tile_arg = tl.min(tl.where(zm == tile_max, cols, 2147483647), 0)
-        am = tl.where(tile_max > best, tile_arg, am)
-        best = tl.maximum(best, tile_max)
-        zt += tl.sum(tl.where((cols == tgt) & mask, z, 0.0), 0)
-        if WITH_WS:
-            if HAS_CW:
-                w = tl.load(cw_ptr + cols, mask=mask, other=0.0)
-                ws += tl.sum(tl.where(mask, z * w, 0.0), 0)
-            else:
-                ws += tl.sum(tl.where(mask, z, 0.0), 0)
-    lse = m + tl.log(s)
-    tl.store(lse_ptr + row, lse)
-    tl.store(zt_ptr + row, zt)
-    tl.store(ws_ptr + row, ws)
-    tl.store(max_ptr + row, m)
-    tl.store(am_ptr + row, am.to(tl.int64))
+    lanes = tl.arange(0, BLOCK_V)
+    if LSE_IN:
+        lse = tl.load(lse_ptr + row)
+    else:
+        # Lane-wise online log-sum-exp: lane l sees columns l, l + BLOCK_V, ...; each keeps its
+        # own running max m_l and s_l = sum exp(z - m_l); one reduction merges them at the end
+        # (lse = M + log sum_l s_l exp(m_l - M)). No cross-lane work inside the loop.
+        m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_V,), tl.float32)
+        arg = tl.zeros((BLOCK_V,), tl.int32)
+        ws = tl.zeros((BLOCK_V,), tl.float32)
+        for v0 in range(0, VPAD, BLOCK_V):
+            cols = v0 + lanes
+            z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
+                                 HAS_SOFTCAP)
+            zm = tl.where(cols < V, z, float("-inf"))
+            # strictly greater: a lane keeps its first maximum (columns ascend); NaN wins, so
+            # it reaches the lse like in torch.logsumexp
+            better = (zm > m) | (zm != zm)
+            arg = tl.where(better, cols, arg)
+            m_new = tl.where(better, zm, m)
+            # (-inf - -inf is NaN: lanes that saw no finite logit yet add nothing)
+            s = (tl.where(m_new == m, s, s * tl.exp(m - m_new))
+                 + tl.where(zm == float("-inf"), 0.0, tl.exp(zm - m_new)))
+            m = m_new
+            if WITH_WS:
+                if HAS_CW:
+                    ws += tl.where(cols < V, z * tl.load(cw_ptr + cols, mask=cols < V, other=0.0),
+                                   0.0)
+                else:
+                    ws += tl.where(cols < V, z, 0.0)
+        mx = tl.max(m, 0)
+        # first column attaining the row max: the smallest lane-first index among the lanes
+        # whose max equals it (torch.argmax's tie rule)
+        am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
+        lse = mx + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+        has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
+        zt = _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, softcap,
+                              HAS_BIAS, HAS_SOFTCAP)
+        tl.store(lse_ptr + row, lse)
+        tl.store(zt_ptr + row, tl.where(has_t, zt, 0.0))
+        tl.store(ws_ptr + row, tl.sum(ws, 0))
+        tl.store(max_ptr + row, mx)
+        tl.store(am_ptr + row, am.to(tl.int64))
     if NEED_D:
         alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
         c_tgt = tl.load(c_tgt_ptr + row)
         c_smooth = tl.load(c_smooth_ptr + row)
         scale = tl.load(scale_ptr)
         d_row = d_ptr + r.to(tl.int64) * ldd
-        if SINGLE:
-            cols = tl.arange(0, BLOCK_V)
-            mask = cols < V
-            z = _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS, HAS_SOFTCAP)
-            dz = _grad(z, cols, mask, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
+        for v0 in range(0, VPAD, BLOCK_V):
+            cols = v0 + lanes
+            z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
+                                 HAS_SOFTCAP)
+            dz = _grad(z, cols, cols < V, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
                        HAS_CW, HAS_SOFTCAP)
+            if D_OVER_Z:
+                # D's bytes [2 v0, 2 v0 + 2 BLOCK_V) overlap Z's columns [v0 / 2, v0 / 2 +
+                # BLOCK_V / 2), which other warps may not have read yet in the first two
+                # blocks: every warp finishes this block's loads before anyone stores.
+                tl.debug_barrier()
             tl.store(d_row + cols, (dz * scale).to(d_ptr.dtype.element_ty), mask=cols < VPAD)
-        else:
-            for v0 in range(0, VPAD, BLOCK_V):
-                cols = v0 + tl.arange(0, BLOCK_V)
-                mask = cols < V
-                z = _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS,
-                                     HAS_SOFTCAP)
-                dz = _grad(z, cols, mask, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
-                           HAS_CW, HAS_SOFTCAP)
-                tl.store(d_row + cols, (dz * scale).to(d_ptr.dtype.element_ty),
-                         mask=cols < VPAD)
 
 
 _PROBE = {}
@@ -157,22 +166,50 @@ def cublas_fp32_out_available(device: torch.device) -> bool:
     return _PROBE[key]
 
 
-def chunking(rows: int, bytes_per_row: int) -> tuple[int, int]:
-    """(number of chunks, rows per chunk, a multiple of 8) for Z + D within ROW_CHUNK_BYTES;
-    one chunk when everything fits in twice that (no fp32 dW accumulator then)."""
-    if rows * bytes_per_row <= 2 * config.ROW_CHUNK_BYTES:
-        return 1, max(rows, 1)
-    c_max = max(64, config.ROW_CHUNK_BYTES // bytes_per_row)
-    n_chunks = triton.cdiv(rows, c_max)
-    return n_chunks, triton.cdiv(triton.cdiv(rows, n_chunks), 8) * 8
+def _gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: float = 1.0,
+              accumulate: bool = False) -> torch.Tensor:
+    """out (fp32) = alpha * a @ b (+ out when accumulating), products accumulated in fp32.
+    CUDA 16-bit inputs: one cuBLAS call with an fp32 result. Elsewhere (fp32 inputs, the CPU
+    under the Triton interpreter) an fp32 GEMM."""
+    beta = 1.0 if accumulate else 0.0
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=out)
+    return torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
 def applicable(p: Problem, low_memory: bool) -> bool:
-    return (not low_memory and p.device.type == "cuda" and not config.interpreting()
-            and p.x.dtype in (torch.bfloat16, torch.float16)
-            and p.V * p.H * 4 <= config.ROW_CHUNK_MAX_DW32_BYTES
+    """The default for losses with gradients: 16-bit CUDA inputs (fp32 ones keep the exact
+    Triton path), outside CUDA-graph capture; config.ROW_CHUNKS_ON_CPU lets the interpreter
+    tests run it on the CPU."""
+    if low_memory or p.N == 0 or not config.ROW_CHUNKS:
+        return False
+    if p.device.type != "cuda":
+        return config.interpreting() and config.ROW_CHUNKS_ON_CPU
+    return (not config.interpreting() and p.x.dtype in (torch.bfloat16, torch.float16)
             and not torch.cuda.is_current_stream_capturing()
             and cublas_fp32_out_available(p.device))
+
+
+def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
+    """(number of chunks, rows per chunk). Z may take ``row_chunk_budget`` bytes; all rows go
+    in one chunk when they fit in twice that (then dW needs no fp32 accumulator). Chunks are
+    balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows that many."""
+    budget = row_chunk_budget(dw32_bytes)
+    if rows * bytes_per_row <= 2 * budget:
+        return 1, max(rows, 1)
+    c_max = max(1, budget // bytes_per_row)
+    align = 128 if c_max >= 128 else 1
+    c_max = c_max // align * align
+    c = min(c_max, triton.cdiv(triton.cdiv(rows, triton.cdiv(rows, c_max)), align) * align)
+    return triton.cdiv(rows, c), c
+
+
+def row_chunk_budget(dw32_bytes: int) -> int:
+    """Bytes of Z: half the fp32 dW accumulator, within [ROW_CHUNK_BYTES, ROW_CHUNK_BYTES_MAX].
+    Each chunk reads and writes that accumulator once (8 V H bytes): with Z at half its size a
+    chunk holds enough rows (>= ~1000 at H = 4096) for that traffic to stay a small part of the
+    chunk's GEMM time (H200: Llama-3 head 95 ms with 512 MiB, 88 ms with 1 GiB; NOTES.md)."""
+    return min(config.ROW_CHUNK_BYTES_MAX, max(config.ROW_CHUNK_BYTES, dw32_bytes // 2))
 
 
 def padded_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -187,79 +224,100 @@ def padded_weight(weight: torch.Tensor) -> torch.Tensor:
     return wp
 
 
-def _row_kernel_shape(v_pad: int) -> tuple[bool, int, int]:
-    """(single pass, BLOCK_V, warps) of the per-row kernels."""
-    if v_pad <= SINGLE_PASS_MAX_V:
-        block = triton.next_power_of_2(v_pad)
-        return True, block, 16 if block >= 16384 else 8
-    return False, 4096, 8
+def _padded_bias(bias, v_pad: int, device) -> torch.Tensor:
+    """The bias in fp32, zero past V, so that the kernel's loads of [0, VPAD) are in bounds."""
+    bp = torch.zeros(v_pad, dtype=torch.float32, device=device)
+    if bias is not None:
+        bp[:bias.shape[0]] = bias
+    return bp
 
 
-def forward_with_grads(p: Problem, cf, d_scale, with_ws, need_dx, need_dw, need_db):
-    """RowStats fields and (dx, dw, db) in one sweep over row chunks (see the module doc)."""
-    n, v, h = p.N, p.V, p.H
-    inv_scale = 1.0 / d_scale  # (host values: read together with the valid-row count)
-    nv = int(p.n_valid_host)
-    dev = p.device
-    lse = torch.zeros(n, dtype=torch.float32, device=dev)
-    zt, ws, mx = (torch.zeros_like(lse) for _ in range(3))
-    am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
-    dx = torch.zeros_like(p.x) if need_dx else None
-    need_d = need_dx or need_dw or need_db
+def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, lse_in,
+                  dx, dw, dw32, db32):
+    """The chunk loop of forward_with_grads (its workspaces are freed on return, before the
+    fp32 accumulators are rounded into the gradients)."""
+    n, v, h, dev = p.N, p.V, p.H, p.device
+    inv_scale = 1.0 / d_scale
     wp = padded_weight(p.weight)
     v_pad = wp.shape[0]
-    single, block_v, warps = _row_kernel_shape(v_pad)
-    elt = p.x.element_size()
-    n_chunks, c = chunking(nv, v_pad * (4 if single or not need_d else 4 + elt))
-    # one chunk: dW comes out of a single product over all rows, rounded once
-    dw_pad = (torch.empty((v_pad, h), dtype=p.weight.dtype, device=dev)
-              if need_dw and n_chunks == 1 else None)
+    rows = p.row_idx[:nv]
+    xv = p.x if nv == n else p.x.index_select(0, rows)
+    bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
+    z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
+    # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
+    d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
+    dx32 = torch.empty((min(c, nv), h), dtype=torch.float32, device=dev) if dx is not None else None
+    scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
+    fin = p.cfg["row_finish"]
+    for c0 in range(0, nv, c):
+        cc = min(c, nv - c0)
+        xc = xv[c0:c0 + cc]
+        _gemm_f32(xc, wp.t(), z[:cc])
+        finish_rows_kernel[(cc,)](
+            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
+            scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
+            HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
+            HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
+            D_OVER_Z=d.data_ptr() == z.data_ptr(), BLOCK_V=fin["BLOCK_V"],
+            num_warps=fin["num_warps"])
+        dc = d[:cc, :v_pad]
+        if dx is not None:
+            _gemm_f32(dc, wp, dx32[:cc], alpha=inv_scale)
+            if nv == n:
+                dx[c0:c0 + cc] = dx32[:cc]
+            else:
+                dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
+        if dw is not None:
+            if dc.is_cuda and dc.dtype != torch.float32:
+                torch.addmm(dw, dc.t(), xc, beta=0, alpha=inv_scale, out=dw)
+            else:
+                dw.copy_(torch.mm(dc.t().float(), xc.float()).mul_(inv_scale))
+        elif dw32 is not None:
+            _gemm_f32(dc.t(), xc, dw32, alpha=inv_scale, accumulate=True)
+        if db32 is not None:
+            db32 += dc.sum(0, dtype=torch.float32) * inv_scale
+
+
+def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
+                       need_dw: bool, need_db: bool, lse_in=None):
+    """(RowStats fields, (dx, dw, db)) in one sweep over row chunks (module doc). ``cf``: the
+    per-row coefficients (gradients.row_coefs); ``d_scale``: the power of two dz is stored
+    with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
+    computed (None is returned for them) and the gradients use the given lse.
+
+    The GEMMs run over V padded to a multiple of 64 (a zero-padded copy of W when V is not
+    one already): cuBLAS is 2.5-3x slower on V = 30258 or with K = 30258 (H200, NOTES.md)."""
+    n, v, h, dev = p.N, p.V, p.H, p.device
+    nv = int(p.n_valid_host)
+    if lse_in is None:
+        lse = torch.zeros(n, dtype=torch.float32, device=dev)
+        zt, ws, mx = (torch.zeros_like(lse) for _ in range(3))
+        am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
+    else:
+        lse = lse_in.to(torch.float32).contiguous()
+        zt = ws = mx = am = lse  # not written (LSE_IN)
+    dx = torch.zeros_like(p.x) if need_dx else None
+    n_chunks, c = chunking(nv, triton.cdiv(v, 64) * 64 * 4, v * h * 4)
+    v_pad = triton.cdiv(v, 64) * 64
+    dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
+    dw = torch.empty((v_pad, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
     dw32 = (torch.zeros((v_pad, h), dtype=torch.float32, device=dev)
-            if need_dw and dw_pad is None else None)
+            if need_dw and not dw_direct else None)
     db32 = torch.zeros(v_pad, dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
-        rows = p.row_idx[:nv]
-        xv = p.x if nv == n else p.x.index_select(0, rows)
-        z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
-        if single:  # D written over Z's rows: the first half of each fp32 row
-            d, ldd = z.view(p.x.dtype), 2 * v_pad
-        else:
-            d = torch.empty((min(c, nv), v_pad), dtype=p.x.dtype, device=dev)
-            ldd = v_pad
-        scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
-        for c0 in range(0, nv, c):
-            cc = min(c, nv - c0)
-            xc = xv[c0:c0 + cc]
-            torch.mm(xc, wp.t(), out_dtype=torch.float32, out=z[:cc])
-            finish_rows_kernel[(cc,)](
-                z, v_pad, d, ldd, p.bias_arg, p.cw_arg, p.target, p.row_idx, c0, *cf,
-                scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
-                HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
-                HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d,
-                SINGLE=single, BLOCK_V=block_v, num_warps=warps)
-            dc = d[:cc, :v_pad]
-            if need_dx:
-                dxc = torch.mm(dc, wp, out_dtype=torch.float32).mul_(inv_scale).to(p.x.dtype)
-                if nv == n:
-                    dx[c0:c0 + cc] = dxc
-                else:
-                    dx.index_put_((rows[c0:c0 + cc],), dxc)
-            if dw_pad is not None:
-                torch.addmm(dw_pad, dc.t(), xc, beta=0, alpha=inv_scale, out=dw_pad)
-            elif need_dw:
-                torch.addmm(dw32, dc.t(), xc, alpha=inv_scale, out_dtype=torch.float32,
-                            out=dw32)
-            if need_db:
-                db32 += dc.sum(0, dtype=torch.float32) * inv_scale
-    dw = None
+        _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
+                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
+    elif dw is not None:
+        dw.zero_()
     if dw32 is not None:
         dw = dw32[:v].to(p.weight.dtype)
-    elif dw_pad is not None:
-        dw = dw_pad[:v] if nv > 0 else dw_pad[:v].zero_()
+    elif dw is not None:
+        dw = dw[:v]  # a view: the padded rows (< 64 of them) stay allocated with it
     db = None
     if db32 is not None:
         db = db32[:v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
-    return (lse, zt, ws, mx, am), (dx, dw, db)
+    stats = None if lse_in is not None else (lse, zt, ws, mx, am)
+    return stats, (dx, dw, db)
 
 
 @triton.jit
@@ -296,6 +354,14 @@ def log_probs_rows_kernel(z_ptr, ldz, bias_ptr, out_ptr, r0, V,
             tl.store(o_row + cols, (z - lse).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _row_kernel_shape(v_pad: int) -> tuple[bool, int, int]:
+    """(single pass, BLOCK_V, warps) of the log-probabilities row kernel."""
+    if v_pad <= SINGLE_PASS_MAX_V:
+        block = triton.next_power_of_2(v_pad)
+        return True, block, 16 if block >= 16384 else 8
+    return False, 4096, 8
+
+
 def log_softmax_applicable(x: torch.Tensor) -> bool:
     return (x.is_cuda and not config.interpreting() and x.dtype in (torch.bfloat16, torch.float16)
             and not torch.cuda.is_current_stream_capturing()
@@ -309,7 +375,7 @@ def log_softmax(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     wp = padded_weight(weight)
     v_pad = wp.shape[0]
     single, block_v, warps = _row_kernel_shape(v_pad)
-    n_chunks, c = chunking(n, v_pad * 4)
+    n_chunks, c = chunking(n, v_pad * 4, 0)
     z = torch.empty((min(c, max(n, 1)), v_pad), dtype=torch.float32, device=x.device)
     for r0 in range(0, n, c):
         cc = min(c, n - r0)
