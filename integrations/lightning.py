@@ -55,9 +55,10 @@ class _TapState:
         self.causal = causal
         self.want_accuracy = want_accuracy
         self.first_step = None       # (rows, vocab, dtype, has_bias) of the first training call
-        self.pending = None          # target of the current training forward (accuracy only)
+        self.pending = None          # (target, ignore index) of the current training forward
         self.correct = None          # accumulated tensors (no host sync in the step)
         self.valid = None
+        self.no_stats = False        # a training output carried no fused_ce_stats
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -101,35 +102,31 @@ class _ModelTap:
                 dtype = head.weight.dtype
             state.first_step = (labels.numel(), head.out_features, dtype, head.bias is not None)
         if state.want_accuracy:
-            state.pending = _target_of(kwargs, state.causal)
+            ignore = kwargs.get("ignore_index", -100) if state.causal else -100
+            state.pending = (_target_of(kwargs, state.causal), ignore)
         return None
 
 
-class _HeadTap:
-    """Forward hook on the output embedding: token accuracy of the labelled rows, from the
-    hidden states entering the head, with ``fused_ce.linear_cross_entropy(return_stats=True)``
-    (one extra no-grad pass over the labelled rows; ignored rows cost nothing)."""
+class _OutputTap:
+    """Forward hook on a patched model, registered after the patch's own hook: token accuracy of
+    the labelled rows, read from the statistics the fused pass attached to the output
+    (``out.fused_ce_stats``, see :func:`fused_ce.patch_hf_model`): no extra pass, no sync."""
 
     def __init__(self, state: _TapState):
         self.state = state
 
     def __call__(self, module, args, output):
         state = self.state
-        target = state.pending
-        if target is None:
+        pending, state.pending = state.pending, None
+        if pending is None:
             return None
-        state.pending = None
-        import fused_ce
-
-        x = args[0]
-        with torch.no_grad():
-            stats = fused_ce.linear_cross_entropy(
-                x.detach().reshape(-1, x.shape[-1]), module.weight.detach(),
-                target.to(x.device).reshape(-1),
-                linear_bias=None if module.bias is None else module.bias.detach(),
-                return_stats=True)
-            correct = stats.correct.sum()
-            valid = (target != -100).sum().to(correct.device)
+        stats = getattr(output, "fused_ce_stats", None)
+        if stats is None:  # e.g. return_dict=False: a tuple carries no statistics
+            state.no_stats = True
+            return None
+        target, ignore = pending
+        correct = stats.correct.sum()
+        valid = (target != ignore).sum().to(correct.device)
         state.correct = correct if state.correct is None else state.correct + correct
         state.valid = valid if state.valid is None else state.valid + valid
         return None
@@ -148,12 +145,11 @@ class FusedCrossEntropyCallback:
             logits in training and runs the model unchanged in eval mode (validation metrics that
             need the logits keep working); ``"always"`` / ``"never"``.
         log_token_accuracy: log ``train/token_accuracy`` (fraction of labelled tokens whose
-            argmax is the label) each training step. The HF adapter puts no statistics on the
-            model output, so the callback computes them itself from the hidden states entering
-            the head with ``linear_cross_entropy(..., return_stats=True)``: one extra no-grad
-            forward pass of the head over the labelled rows only (about 15 % of the rows in
-            masked-LM training), still without logits. Off by default for that cost. Under DDP
-            the value is over all ranks' tokens.
+            argmax is the label) each training step, read from the statistics the fused pass
+            puts on the model output (``out.fused_ce_stats``): no extra pass over the head. A
+            model called with ``return_dict=False`` returns tuples, which carry none: then
+            nothing is logged and the callback warns once. Under DDP the value is over all
+            ranks' tokens.
         namespace: the Lightning ``Callback`` base(s) of the instance: ``"lightning"``
             (``lightning.pytorch``), ``"pytorch_lightning"``, ``"both"``, or ``"auto"`` (default):
             the namespace(s) already imported in this process (you import one to build a
@@ -184,6 +180,7 @@ class FusedCrossEntropyCallback:
         self.report: Optional[dict] = None
         self._taps: dict[str, _TapState] = {}
         self._handles: list = []
+        self._warned_no_stats = False
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -216,6 +213,12 @@ class FusedCrossEntropyCallback:
             self._report(trainer)
         if self.log_token_accuracy:
             correct = valid = None
+            if not self._warned_no_stats and any(t.no_stats for t in self._taps.values()):
+                self._warned_no_stats = True
+                _rank_zero(trainer, "warn")(
+                    "FusedCrossEntropyCallback(log_token_accuracy=True): a training forward "
+                    "returned no fused_ce_stats (a tuple: return_dict=False?), so its token "
+                    "accuracy is not logged")
             for tap in self._taps.values():
                 if tap.valid is not None:
                     correct = tap.correct if correct is None else correct + tap.correct
@@ -277,8 +280,7 @@ class FusedCrossEntropyCallback:
         self._handles.append(model.register_forward_pre_hook(
             _ModelTap(state), with_kwargs=True, prepend=True))
         if self.log_token_accuracy:
-            self._handles.append(model.get_output_embeddings().register_forward_hook(
-                _HeadTap(state)))
+            self._handles.append(model.register_forward_hook(_OutputTap(state)))
 
     def _report(self, trainer) -> None:
         models, total = [], 0

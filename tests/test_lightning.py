@@ -210,6 +210,27 @@ def test_log_token_accuracy_matches_logits():
     assert min(logged) < 0.5 < max(logged), logged      # learnt within the test: not constant
 
 
+def test_token_accuracy_tap_reads_output_stats():
+    """The accuracy tap reads out.fused_ce_stats (no extra pass): counts the correct and the
+    non-ignored tokens; an output without statistics (a return_dict=False tuple) is flagged."""
+    from types import SimpleNamespace
+
+    from fused_ce.integrations.lightning import _OutputTap, _TapState
+
+    state = _TapState(causal=False, want_accuracy=True)
+    tap = _OutputTap(state)
+    target = torch.tensor([[3, -100, 5, 7]])
+    stats = SimpleNamespace(correct=torch.tensor([[True, False, False, True]]))
+    state.pending = (target, -100)
+    tap(None, (), SimpleNamespace(fused_ce_stats=stats))
+    state.pending = (target, -100)
+    tap(None, (), SimpleNamespace(fused_ce_stats=stats))
+    assert int(state.correct) == 4 and int(state.valid) == 6 and not state.no_stats
+    state.pending = (target, -100)
+    tap(None, (), (torch.zeros(1),))
+    assert state.no_stats and state.pending is None and int(state.valid) == 6
+
+
 def test_unsupported_strategy_errors_at_setup():
     from types import SimpleNamespace
 
