@@ -12,7 +12,8 @@ PNG plots (time and memory against vocabulary size and token count) to --out.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
 all-Triton vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True), fused_ce_again (fused_ce once more, after the peers: a check
-that the order of methods does not change the numbers), eager (bf16 F.linear +
+that the order of methods does not change the numbers), fused_ce_stats (the same call with
+return_stats=True: lse, argmax and accuracy come from the same pass), eager (bf16 F.linear +
 F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
 cce (cut_cross_entropy.linear_cross_entropy, no bias), torch_lce (torch's chunked
 F.linear_cross_entropy, torch >= 2.13), kernels (fused_ce.kernels.forward with gradients called
@@ -45,7 +46,7 @@ SHAPES = {
     "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
 }
-CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_sweep", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
+CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_sweep", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
               "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
 MiB = 2**20
@@ -78,11 +79,13 @@ def _fused_api():
 
 def method_fn(name, kind, x, w, b, t):
     """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax')."""
-    if name in ("fused_ce", "fused_ce_lowmem", "fused_ce_again"):
+    if name in ("fused_ce", "fused_ce_lowmem", "fused_ce_again", "fused_ce_stats"):
         lce, lls = _fused_api()
         if kind == "logsoftmax":
             return lambda: lls(x, w, b)
         low = name == "fused_ce_lowmem"
+        if name == "fused_ce_stats":  # the same loss with the token statistics returned too
+            return lambda: lce(x, w, t, linear_bias=b, return_stats=True).loss
         return lambda: lce(x, w, t, linear_bias=b, low_memory=low)
     if name == "fused_ce_sweep":  # the all-Triton vocabulary sweep (the CUDA-graph path)
         from fused_ce.kernels import config
@@ -211,7 +214,8 @@ def measure(name, shape, args):
     params = [p for p in (x, w, b) if p is not None]
     fn = method_fn(name, kind, x, w, b, t)
     step = forward_backward(name, kind, fn, params)
-    step()  # compile / warm up
+    for _ in range(args.warmup_steps):  # compile, and the allocator's first large blocks
+        step()
     torch.cuda.synchronize()
     grads_mib = sum(p.numel() * p.element_size() for p in params) / MiB if kind == "ce" else 0.0
     # memory: one call from a clean state (grads freed), peak over the allocation before it
@@ -288,6 +292,9 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(CE_METHODS))
     ap.add_argument("--rep-ms", type=float, default=400.0)
     ap.add_argument("--warmup-ms", type=float, default=100.0)
+    ap.add_argument("--warmup-steps", type=int, default=3,
+                    help="whole steps run before any measurement (at Llama-3 size a step is "
+                         "~0.1 s, so --warmup-ms alone is one step)")
     ap.add_argument("--no-errors", dest="errors", action="store_false")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

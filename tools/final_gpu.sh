@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
   date -u; } 2>&1 | tee -a "$OUT/log.txt"
 timeout ${T_BENCH:-140} python3 benchmarks/bench.py --out "$OUT" --rep-ms ${REP_MS:-200} --warmup-ms 50 \
   --shapes bert8k,mlm,bert16k,logsoftmax,llama3,gemma2 \
-  --methods fused_ce,fused_ce_sweep,fused_ce_lowmem,floor,eager,compile,liger,cce,torch_lce,kernels,fused_ce_again 2>&1 \
+  --methods fused_ce,fused_ce_stats,fused_ce_sweep,fused_ce_lowmem,floor,eager,compile,liger,cce,torch_lce,kernels,fused_ce_again 2>&1 \
   | grep -v Warn | tee -a "$OUT/log.txt" | tail -46
 timeout ${T_TESTS:-190} python3 -m pytest -q -rs --tb=line -p no:cacheprovider tests/test_gpu.py \
   ${TESTS_ARGS} 2>&1 | grep -v Warn | tee -a "$OUT/log.txt" | tail -8
