@@ -84,7 +84,11 @@ def _check_stats(ours, ref, t, tol):
         got, exp = getattr(ours, name), getattr(ref, name)
         assert got.dtype == torch.float32 and not got.isnan().any(), name
         assert (got[~valid] == 0).all(), name
-        assert _rel(got, exp) <= tol, (name, _rel(got, exp))
+        # relative to the norm, with a floor of one O(1) logit per row: a statistic that happens
+        # to be near 0 (N = 1, a target logit of 0.006) is a cancellation, not a larger error
+        err = (got.double() - exp.double()).norm().item()
+        floor = exp.double().norm().item() if name == "weighted_sum" else valid.sum().item() ** 0.5
+        assert err <= tol * max(exp.double().norm().item(), floor), (name, _rel(got, exp))
     assert torch.equal(ours.argmax, ref.argmax)
 
 

@@ -129,11 +129,12 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf)
     # The one host sync of this path: cuBLAS needs the number of valid rows; the fp16 scale and
-    # the count of out-of-range targets come with it (an error is then raised with details).
-    n_bad = (p.valid & ((p.target < 0) | (p.target >= p.V))).sum().reshape(1)
-    p.n_valid_host, d_scale, bad = torch.cat(
-        [p.n_valid.double(), scale.double(), n_bad.double()]).tolist()
-    if check_targets and bad:
+    # (check_targets) the count of out-of-range targets come with it; an error then names one.
+    read = [p.n_valid.double(), scale.double()]
+    if check_targets:
+        read.append((p.valid & ((p.target < 0) | (p.target >= p.V))).sum().double().reshape(1))
+    p.n_valid_host, d_scale, *bad = torch.cat(read).tolist()
+    if any(bad):
         check_target_values(p.target, p.V, p.ignore_index)
     return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
                                          lse_in=lse_in)

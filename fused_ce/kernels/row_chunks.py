@@ -10,7 +10,7 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
                                        and reduces them once; pass 2 writes dz (input dtype) over
                                        the first half of Z's own row. With a given lse (the
                                        backward of reduction='none') pass 1 is skipped.
-    dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
+    dX[rows_c]  = D @ Wp               cuBLAS, fp32 output, rounded once into dX (the fp32
                                        output also keeps cuBLAS from reducing split-K partials
                                        in 16 bits)
     dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
@@ -18,10 +18,11 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     db32       += column sums of D     (fp32)
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``config.ROW_CHUNK_BYTES``, or twice that when all valid rows fit in one chunk) and the fp32 dW
-(4 V H bytes) when there are several chunks. cuBLAS needs the number of valid rows on the host:
-this path reads it (with the fp16 gradient scale) once per call, so it is not used while a CUDA
-graph is being captured; the vocabulary sweep (gradients.py) serves that case.
+``row_chunk_budget``, or twice that when all valid rows fit in one chunk), Wp when it is a copy,
+and the fp32 dW (4 V H bytes) when there are several chunks. cuBLAS needs the number of valid
+rows on the host: the caller reads it once per call (with the fp16 gradient scale and the count
+of out-of-range targets), so this path is not used while a CUDA graph is being captured; the
+vocabulary sweep (gradients.py) serves that case.
 """
 
 from __future__ import annotations
