@@ -207,6 +207,18 @@ def errors(name, kind, fn, params, ref):
     return e
 
 
+def peak_mib(fn) -> float:
+    """Peak device memory of one call of fn, in MiB above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / MiB
+    del out
+    return peak
+
+
 def measure(name, shape, args):
     import triton.testing
     n, h, v, bias, frac, kind = SHAPES[shape]
@@ -218,18 +230,11 @@ def measure(name, shape, args):
         step()
     torch.cuda.synchronize()
     grads_mib = sum(p.numel() * p.element_size() for p in params) / MiB if kind == "ce" else 0.0
-    # memory: one call from a clean state (grads freed), peak over the allocation before it
+    # memory: one call from a clean state (grads freed); for log-softmax the output itself is
+    # part of the peak, like the peers'
     for p in params:
         p.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = step()
-    torch.cuda.synchronize()
-    peak_mib = (torch.cuda.max_memory_allocated() - base) / MiB
-    if kind == "logsoftmax" and name != "floor":
-        pass  # the output itself is part of the peak, like the peers'
-    del out
+    peak = peak_mib(step)
     est = triton.testing.do_bench(step, warmup=max(25, args.warmup_ms), rep=args.rep_ms,
                                   return_mode="median")
     err = {}
@@ -238,7 +243,7 @@ def measure(name, shape, args):
         err = errors(name, kind, fn, params, ref)
         del ref
     return {"shape": shape, "method": name, "N": n, "H": h, "V": v, "bias": bias,
-            "valid_frac": frac, "kind": kind, "ms": est, "peak_mib": peak_mib,
+            "valid_frac": frac, "kind": kind, "ms": est, "peak_mib": peak,
             "grads_mib": grads_mib, "errors": err}
 
 

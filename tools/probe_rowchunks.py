@@ -87,17 +87,6 @@ def parts():
                   f"{gb / ms:6.2f} TB/s", flush=True)
 
 
-def peak(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    p = (torch.cuda.max_memory_allocated() - base) / MiB
-    del out
-    return p
-
-
 def whole(shapes, budgets, rows_ref):
     for shape in shapes:
         x, w, b, t = bench.make_inputs(shape)
@@ -108,13 +97,13 @@ def whole(shapes, budgets, rows_ref):
             config.ROW_CHUNK_BYTES = config.ROW_CHUNK_BYTES_MAX = budget * MiB
             fn = bench.method_fn("kernels", "ce", x, w, b, t)
             ms = bench_ms(fn)
-            pk = peak(fn)
+            pk = bench.peak_mib(fn)
             api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
             step = bench.forward_backward("fused_ce", "ce", api, params)
             api_ms = bench_ms(step)
             for p in params:
                 p.grad = None
-            api_pk = peak(step)
+            api_pk = bench.peak_mib(step)
             err = bench.errors("fused_ce", "ce", api, params, ref)
             e = " ".join(f"{k}={v:.1e}" for k, v in err.items())
             print(f"{shape:<8} Z<={budget:>4} MiB  kernels {ms:8.3f} ms {pk:7.0f} MiB | "
@@ -122,8 +111,8 @@ def whole(shapes, budgets, rows_ref):
             rows_ref.append((shape, budget, ms, pk, api_ms, api_pk, err))
         config.ROW_CHUNKS = False
         fn = bench.method_fn("kernels", "ce", x, w, b, t)
-        print(f"{shape:<8} vocab sweep kernels {bench_ms(fn, rep=60):8.3f} ms {peak(fn):7.0f} MiB",
-              flush=True)
+        print(f"{shape:<8} vocab sweep kernels {bench_ms(fn, rep=60):8.3f} ms "
+              f"{bench.peak_mib(fn):7.0f} MiB", flush=True)
         config.ROW_CHUNKS = True
         del ref
         torch.cuda.empty_cache()
