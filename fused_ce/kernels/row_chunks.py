@@ -213,10 +213,15 @@ def row_chunk_budget(dw32_bytes: int) -> int:
     return min(config.ROW_CHUNK_BYTES_MAX, max(config.ROW_CHUNK_BYTES, dw32_bytes // 2))
 
 
+def padded_vocab(v: int) -> int:
+    """V rounded up to a multiple of 64: the GEMMs' vocabulary size."""
+    return triton.cdiv(v, 64) * 64
+
+
 def padded_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight with V rounded up to a multiple of 64 by zero rows (fast cuBLAS shapes)."""
     v = weight.shape[0]
-    v_pad = (v + 63) // 64 * 64
+    v_pad = padded_vocab(v)
     if v_pad == v:
         return weight
     wp = torch.empty((v_pad, weight.shape[1]), dtype=weight.dtype, device=weight.device)
@@ -298,8 +303,8 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
         lse = lse_in.to(torch.float32).contiguous()
         zt = ws = mx = am = lse  # not written (LSE_IN)
     dx = torch.zeros_like(p.x) if need_dx else None
-    n_chunks, c = chunking(nv, triton.cdiv(v, 64) * 64 * 4, v * h * 4)
-    v_pad = triton.cdiv(v, 64) * 64
+    v_pad = padded_vocab(v)
+    n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
     dw = torch.empty((v_pad, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
     dw32 = (torch.zeros((v_pad, h), dtype=torch.float32, device=dev)
