@@ -90,11 +90,13 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
         d_z = valid_f.sum()
     else:
         d_nll = d_z = ones
-    # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway.
-    a = torch.where(valid, (1 - label_smoothing) * w_t / d_nll, 0)
-    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0)
-    e = torch.where(valid, z_loss / d_z, 0)
-    coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum, lse_sq=e)
+    # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway. A term that is
+    # off (no smoothing, no z-loss) gets exact zeros without the arithmetic.
+    a = torch.where(valid, ((1 - label_smoothing) * w_t if label_smoothing else w_t) / d_nll, 0)
+    zeros = None if label_smoothing and z_loss else torch.zeros_like(a)
+    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0) if label_smoothing else zeros
+    e = torch.where(valid, z_loss / d_z, 0) if z_loss else zeros
+    coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum if label_smoothing else a, lse_sq=e)
     return coefs, d_nll
 
 

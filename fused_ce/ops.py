@@ -89,6 +89,9 @@ def _sum_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
     ctx.save_for_backward(dx, dw, db)
     ctx.consumed = False
+    # the outputs other than the loss get no upstream gradient: without this autograd would
+    # allocate zeros for them, dx-, dw- and db-sized, in every backward
+    ctx.set_materialize_grads(False)
 
 
 def _sum_backward(ctx, g_loss, *_):
@@ -103,10 +106,15 @@ def _sum_backward(ctx, g_loss, *_):
     ctx.consumed = True
     dx, dw, db = ctx.saved_tensors
     need = ctx.needs_input_grad
-    if _tracing(dx):  # graph capture (AOT autograd) needs functional code: scale out of place
-        scale = lambda grad: grad * g_loss.to(grad.dtype)  # noqa: E731
-    else:
-        scale = lambda grad: grad.mul_(g_loss.to(grad.dtype))  # noqa: E731
+    if g_loss is None:  # (not materialized) the loss itself got no gradient
+        return (None,) * 16
+    functional = _tracing(dx)  # graph capture (AOT autograd) needs out-of-place code
+    g = {}  # the upstream gradient in each gradient's dtype, converted once
+
+    def scale(grad):
+        if grad.dtype not in g:
+            g[grad.dtype] = g_loss.to(grad.dtype)
+        return grad * g[grad.dtype] if functional else grad.mul_(g[grad.dtype])
     return (scale(dx) if need[0] else None, scale(dw) if need[1] else None,
             scale(db) if need[2] else None) + (None,) * 13
 
@@ -166,6 +174,7 @@ def _rows_setup(ctx, inputs, output):
     (x, weight, bias, target, class_weight, *coefs) = inputs[:9]
     ctx.options = inputs[9:]  # ignore_index, softcap, with_weighted_sum, low_memory
     ctx.save_for_backward(x, weight, bias, target, class_weight, lse, *coefs)
+    ctx.set_materialize_grads(False)  # (no zeros for lse and argmax's absent gradients)
 
 
 def _rows_backward(ctx, g_rows, *_):
@@ -174,6 +183,8 @@ def _rows_backward(ctx, g_rows, *_):
     x, weight, bias, target, class_weight, lse, *coefs = ctx.saved_tensors
     ignore_index, softcap, _, low_memory = ctx.options
     need = ctx.needs_input_grad
+    if g_rows is None:
+        return (None,) * 13
     g = g_rows.to(coefs[0].dtype)
     dx, dw, db = linear_ce_rows_backward(
         x, weight, bias, target, class_weight, *(c * g for c in coefs), lse, ignore_index,

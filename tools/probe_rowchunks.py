@@ -1,11 +1,14 @@
 """One device call: the row-chunk path's pieces and whole, on the issue's shapes (H200).
 
-    python tools/probe_rowchunks.py [--parts] [--budgets 128,256,512] [--shapes ...]
+    python tools/probe_rowchunks.py [--overhead] [--parts] [--budgets 0,256,512]
+        [--finish None:2048:4,2:2048:8] [--shapes ...]
 
-Prints, per shape and Z budget: forward+gradients time of fused_ce.kernels.forward (median ms,
-do_bench), its peak extra memory, the errors against an fp32 reference, and the API-level
-forward+backward time and memory. --parts times the pieces at the BERT shape (GEMMs with and
-without a padded weight copy, the finish kernel's block shapes).
+Prints, per shape, Z budget and finish-kernel variant: forward+gradients time of
+fused_ce.kernels.forward (median ms, do_bench), its peak extra memory, the errors against an
+fp32 reference, and the API-level forward+backward time and memory. --parts times the pieces
+at the BERT shape (GEMMs with and without a padded weight copy, db's column sums, the finish
+kernel's block shapes and grids at three vocabulary sizes). --overhead profiles the host side
+of one API step (MLM and BERT 8k shapes).
 """
 import argparse
 import os
@@ -66,69 +69,138 @@ def parts():
         ms = bench_ms(fn)
         tf = f"{f / ms / 1e9:6.0f} TF/s" if "colsum" not in name and "copy" not in name else ""
         print(f"  {name:<42} {ms:7.3f} ms {tf}", flush=True)
+    dwa32 = torch.zeros(ldz, h + 64, device="cuda")
+    xa = torch.zeros(c, h + 64, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: row_chunks._gemm_f32(dcp.t(), xa, dwa32, accumulate=True))
+    print(f"  {'dW32 += D.T [x | 1 | 0] (db in the GEMM)':<42} {ms:7.3f} ms", flush=True)
+    finish_variants(c, v)
+
+
+def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
+    """finish_rows_kernel: one program per row vs a persistent grid of k programs per SM (rows
+    in flight few enough for pass 2 to find Z in L2), at BERT's, Llama-3's and Gemma-2's V."""
+    n = c
     tgt = torch.randint(0, v, (n,), device="cuda")
     idx = torch.arange(n, device="cuda")
     cf = [torch.full((n,), 1.0 / n, device="cuda") for _ in range(4)]
     sc = torch.ones(1, device="cuda")
     st = [torch.empty(n, device="cuda") for _ in range(4)]
     am = torch.empty(n, device="cuda", dtype=torch.long)
-    gbytes = c * v * 10 / 1e9  # Z read twice (fp32), D written (bf16)
-    bp = row_chunks._padded_bias(b, ldz, "cuda")
-    torch.mm(xc, wp.t(), out_dtype=torch.float32, out=z)
-    for bv, nw in ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)):
-        for lse_in in (False, True):
-            fn = lambda: row_chunks.finish_rows_kernel[(c,)](  # noqa: E731
-                z, ldz, d, 2 * ldz, bp, bp, tgt, idx, 0, *cf, sc, *st, am, v, ldz, 1.0,
-                HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False, NEED_D=True,
-                LSE_IN=lse_in, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
-            ms = bench_ms(fn)
-            gb = gbytes * (0.6 if lse_in else 1.0)
-            print(f"  finish BLOCK_V={bv:<5} warps={nw} lse_in={lse_in!s:<5} {ms:7.3f} ms "
-                  f"{gb / ms:6.2f} TB/s", flush=True)
+    sms = config.sm_count(torch.device("cuda"))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"  SMs {sms}, L2 {l2 / MiB:.0f} MiB", flush=True)
+    for vv in vocabs:
+        vp = row_chunks.padded_vocab(vv)
+        rows = min(c, (256 * MiB) // (vp * 4))
+        zz = torch.randn(rows, vp, device="cuda")
+        dd = zz.view(torch.bfloat16)
+        bp = torch.randn(vp, device="cuda")
+        gbytes = rows * vp * 10 / 1e9  # Z read twice (fp32), D written (bf16)
+        for bv, nw, per_sm in ((2048, 4, None), (2048, 8, None), (2048, 8, 1), (2048, 8, 2),
+                               (2048, 4, 4), (2048, 4, 2), (4096, 8, 2), (4096, 16, 1),
+                               (1024, 4, 4), (1024, 4, 8), (2048, 8, 4)):
+            for lse_in in (False, True):
+                if lse_in and per_sm not in (None, 2):
+                    continue
+                grid = row_chunks.finish_grid(rows, {"programs_per_sm": per_sm}, zz.device)
+                fn = lambda: row_chunks.finish_rows_kernel[(grid,)](  # noqa: E731
+                    zz, vp, dd, 2 * vp, bp, bp, tgt, idx, 0, rows, *cf, sc, *st, am, vv, vp,
+                    1.0, HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False,
+                    NEED_D=True, LSE_IN=lse_in, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
+                ms = bench_ms(fn)
+                gb = gbytes * (0.6 if lse_in else 1.0)
+                print(f"  finish V={vv:<6} rows={rows:<5} BLOCK_V={bv:<5} warps={nw:<2} "
+                      f"per_sm={per_sm!s:<4} lse_in={lse_in!s:<5} {ms:7.3f} ms "
+                      f"{gb / ms:6.2f} TB/s (2-pass bytes)", flush=True)
+        del zz, dd
 
 
-def whole(shapes, budgets, rows_ref):
+def overhead(shape, steps=20):
+    """Host-side cost of one API forward+backward: the host wall time per step, then
+    torch.profiler's CPU and CUDA time per op."""
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    x, w, b, t = bench.make_inputs(shape)
+    params = [p for p in (x, w, b) if p is not None]
+    api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+    step = bench.forward_backward("fused_ce", "ce", api, params)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    print(f"{shape}: wall per step {1e3 * (time.perf_counter() - t0) / steps:.3f} ms", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+          flush=True)
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60),
+          flush=True)
+
+
+def whole(shapes, budgets, finishes):
+    """Per shape, Z budget (0: the library's own) and finish-kernel variant
+    (programs_per_sm:BLOCK_V:num_warps): kernels and API time, memory, errors."""
+    default = dict(config.GPU["row_finish"]), dict(config.GPU_WIDE["row_finish"])
+    lo, hi = config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX
     for shape in shapes:
         x, w, b, t = bench.make_inputs(shape)
         params = [p for p in (x, w, b) if p is not None]
         ref = bench.reference_fp32("ce", x, w, b, t)
         for budget in budgets:
             # a fixed Z budget (the library's own is half the fp32 dW within these bounds)
-            config.ROW_CHUNK_BYTES = config.ROW_CHUNK_BYTES_MAX = budget * MiB
-            fn = bench.method_fn("kernels", "ce", x, w, b, t)
-            ms = bench_ms(fn)
-            pk = bench.peak_mib(fn)
-            api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
-            step = bench.forward_backward("fused_ce", "ce", api, params)
-            api_ms = bench_ms(step)
-            for p in params:
-                p.grad = None
-            api_pk = bench.peak_mib(step)
-            err = bench.errors("fused_ce", "ce", api, params, ref)
-            e = " ".join(f"{k}={v:.1e}" for k, v in err.items())
-            print(f"{shape:<8} Z<={budget:>4} MiB  kernels {ms:8.3f} ms {pk:7.0f} MiB | "
-                  f"api {api_ms:8.3f} ms {api_pk:7.0f} MiB | {e}", flush=True)
-            rows_ref.append((shape, budget, ms, pk, api_ms, api_pk, err))
-        config.ROW_CHUNKS = False
-        fn = bench.method_fn("kernels", "ce", x, w, b, t)
-        print(f"{shape:<8} vocab sweep kernels {bench_ms(fn, rep=60):8.3f} ms "
-              f"{bench.peak_mib(fn):7.0f} MiB", flush=True)
-        config.ROW_CHUNKS = True
+            config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX = ((lo, hi) if budget == 0
+                                                                  else (budget * MiB,) * 2)
+            for fin in finishes:
+                per_sm, bv, nw = fin.split(":")
+                for cfg in (config.GPU, config.GPU_WIDE):
+                    cfg["row_finish"] = dict(BLOCK_V=int(bv), num_warps=int(nw),
+                                             programs_per_sm=None if per_sm == "None"
+                                             else int(per_sm))
+                fn = bench.method_fn("kernels", "ce", x, w, b, t)
+                ms = bench_ms(fn)
+                pk = bench.peak_mib(fn)
+                api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+                step = bench.forward_backward("fused_ce", "ce", api, params)
+                api_ms = bench_ms(step)
+                for p in params:
+                    p.grad = None
+                api_pk = bench.peak_mib(step)
+                err = bench.errors("fused_ce", "ce", api, params, ref)
+                e = " ".join(f"{k}={v:.1e}" for k, v in err.items())
+                print(f"{shape:<8} Z<={budget or 'lib':>4} MiB finish {fin:<12} kernels "
+                      f"{ms:8.3f} ms {pk:7.0f} MiB | api {api_ms:8.3f} ms {api_pk:7.0f} MiB | "
+                      f"{e}", flush=True)
+        config.GPU["row_finish"], config.GPU_WIDE["row_finish"] = (dict(d) for d in default)
         del ref
         torch.cuda.empty_cache()
+    config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX = lo, hi
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--parts", action="store_true")
-    ap.add_argument("--budgets", default="256,512,1024")
+    ap.add_argument("--budgets", default="0", help="MiB of Z; 0: the library's own")
+    ap.add_argument("--finish", default="None:2048:4",
+                    help="finish-kernel variants programs_per_sm:BLOCK_V:num_warps, "
+                         "comma-separated")
     ap.add_argument("--shapes", default="bert8k,mlm,bert16k,llama3,gemma2")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.overhead:
+        overhead("mlm")
+        overhead("bert8k")
     if args.parts:
         parts()
-    whole(args.shapes.split(","), [int(b) for b in args.budgets.split(",")], [])
+    whole(args.shapes.split(","), [int(b) for b in args.budgets.split(",")],
+          args.finish.split(","))
 
 
 if __name__ == "__main__":

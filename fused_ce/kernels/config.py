@@ -30,7 +30,7 @@ INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
-    "row_finish": dict(BLOCK_V=32, num_warps=1),
+    "row_finish": dict(BLOCK_V=32, num_warps=1, programs_per_sm=3),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

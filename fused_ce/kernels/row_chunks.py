@@ -15,7 +15,7 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
                                        in 16 bits)
     dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
                                        chunk writes dW directly from one product over all rows
-    db32       += column sums of D     (fp32)
+    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk), Wp when it is a copy,
@@ -67,19 +67,36 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 
 @triton.jit
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
-                       c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
+                       n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
                        WITH_WS: tl.constexpr, NEED_D: tl.constexpr, LSE_IN: tl.constexpr,
                        D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per row r of the chunk (compacted position c0 + r). Z and the bias are
-    readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
-    the columns [0, V). Writes the row's statistics (unless LSE_IN: then ``lse_ptr`` is read)
-    and, with NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
-    r = tl.program_id(0)
+    """Rows r = program_id, program_id + programs, ... < n_rows of the chunk (compacted
+    position c0 + r): a grid smaller than the chunk keeps the rows in flight few enough that
+    pass 2 finds its row of Z still in L2 (``_finish_grid``). Z and the bias are readable in
+    columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are the columns
+    [0, V). Writes each row's statistics (unless LSE_IN: then ``lse_ptr`` is read) and, with
+    NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        _finish_row(r, z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
+                    c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr, lse_ptr,
+                    zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap, HAS_BIAS, HAS_SOFTCAP,
+                    HAS_CW, WITH_WS, NEED_D, LSE_IN, D_OVER_Z, BLOCK_V)
+
+
+@triton.jit
+def _finish_row(r, z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
+                c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr, lse_ptr, zt_ptr,
+                ws_ptr, max_ptr, am_ptr, V, VPAD, softcap, HAS_BIAS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
+                NEED_D: tl.constexpr, LSE_IN: tl.constexpr, D_OVER_Z: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Row r of the chunk (finish_rows_kernel)."""
     row = tl.load(row_idx_ptr + c0 + r)
+    r = tl.cast(r, tl.int64)  # (a loop index: a plain int under the interpreter)
     tgt = tl.load(target_ptr + row)
-    z_row = z_ptr + r.to(tl.int64) * ldz
+    z_row = z_ptr + r * ldz
     lanes = tl.arange(0, BLOCK_V)
     if LSE_IN:
         lse = tl.load(lse_ptr + row)
@@ -129,7 +146,7 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         c_tgt = tl.load(c_tgt_ptr + row)
         c_smooth = tl.load(c_smooth_ptr + row)
         scale = tl.load(scale_ptr)
-        d_row = d_ptr + r.to(tl.int64) * ldd
+        d_row = d_ptr + r * ldd
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
@@ -176,6 +193,15 @@ def _gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: flo
     if a.is_cuda and a.dtype != torch.float32:
         return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=out)
     return torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
+
+
+def finish_grid(rows: int, fin: dict, device: torch.device) -> int:
+    """Programs of finish_rows_kernel: one per row, or ``programs_per_sm`` per multiprocessor
+    looping over the rows (fewer rows in flight: their Z stays in L2 between the two passes)."""
+    per_sm = fin.get("programs_per_sm")
+    if per_sm is None:
+        return rows
+    return max(1, min(rows, per_sm * config.sm_count(device)))
 
 
 def applicable(p: Problem, low_memory: bool) -> bool:
@@ -254,13 +280,14 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
     dx32 = torch.empty((min(c, nv), h), dtype=torch.float32, device=dev) if dx is not None else None
     scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
+    ones = torch.ones((1, min(c, nv)), dtype=d.dtype, device=dev) if db32 is not None else None
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
         _gemm_f32(xc, wp.t(), z[:cc])
-        finish_rows_kernel[(cc,)](
-            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
+        finish_rows_kernel[(finish_grid(cc, fin, dev),)](
+            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
             scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
@@ -280,8 +307,8 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
                 dw.copy_(torch.mm(dc.t().float(), xc.float()).mul_(inv_scale))
         elif dw32 is not None:
             _gemm_f32(dc.t(), xc, dw32, alpha=inv_scale, accumulate=True)
-        if db32 is not None:
-            db32 += dc.sum(0, dtype=torch.float32) * inv_scale
+        if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
+            _gemm_f32(ones[:, :cc], dc, db32, alpha=inv_scale, accumulate=True)
 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
@@ -296,8 +323,7 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     n, v, h, dev = p.N, p.V, p.H, p.device
     nv = int(p.n_valid_host)
     if lse_in is None:
-        lse = torch.zeros(n, dtype=torch.float32, device=dev)
-        zt, ws, mx = (torch.zeros_like(lse) for _ in range(3))
+        lse, zt, ws, mx = torch.zeros((4, n), dtype=torch.float32, device=dev).unbind()
         am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
     else:
         lse = lse_in.to(torch.float32).contiguous()
@@ -309,7 +335,7 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     dw = torch.empty((v_pad, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
     dw32 = (torch.zeros((v_pad, h), dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = torch.zeros(v_pad, dtype=torch.float32, device=dev) if need_db else None
+    db32 = torch.zeros((1, v_pad), dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
                       ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
@@ -321,7 +347,7 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
         dw = dw[:v]  # a view: the padded rows (< 64 of them) stay allocated with it
     db = None
     if db32 is not None:
-        db = db32[:v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
     stats = None if lse_in is not None else (lse, zt, ws, mx, am)
     return stats, (dx, dw, db)
 
