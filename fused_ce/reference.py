@@ -31,7 +31,7 @@ over the *whole* vocabulary) with respect to the logits is::
     with  p_ij = exp(z_ij - lse_i),  prob_i = a_i + c_i * W,  target_i = a_i,  smooth_i = c_i,
           lse_sq_i = e_i,
 
-times ``1 - (z_ij / softcap)**2`` when a softcap is set. Then ``dx = dz @ W``, ``dW = dz.T @ x``,
+times ``1 - (z_ij / softcap)**2`` (the softcap's derivative) when a softcap is set. Then ``dx = dz @ W``, ``dW = dz.T @ x``,
 ``db = dz.sum(0)``, each accumulated in fp32 and returned in the dtype of its input.
 
 * ``forward(..., coefs=GradCoefs, need_dx/need_dw/need_db)`` also returns those gradients,
@@ -112,22 +112,27 @@ class _Chunker:
         self.softcap = softcap
         self.x = x
 
-    def logits(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def logits(self, rows: Tensor, with_cap_factor: bool = False):
+        """(x rows, their logits, the softcap's derivative or None). With a softcap c the
+        derivative d(c tanh(u/c))/du = 1 - tanh^2(u/c) is computed as sech^2(u/c) from the raw
+        logits: 1 - t^2 from the rounded t would cancel where tanh saturates."""
         xc = self.x.index_select(0, rows).to(self.acc)
         if self.bias is None:
             z = xc @ self.weight.t()
         else:
             z = torch.addmm(self.bias, xc, self.weight.t())
-        if self.softcap is not None:
-            z.div_(self.softcap).tanh_().mul_(self.softcap)
-        return xc, z
-
-    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows) -> Tensor:
-        """Overwrites the chunk's logits ``z`` with dz (module docstring)."""
-        target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
         cap_factor = None
-        if self.softcap is not None:  # d(c*tanh(u/c))/du = 1 - tanh^2 = 1 - (z/c)^2
-            cap_factor = (z / self.softcap).square_().neg_().add_(1)
+        if self.softcap is not None:
+            z.div_(self.softcap)
+            if with_cap_factor:  # (cosh overflows to inf past |u/c| ~ 89: the factor is 0)
+                cap_factor = torch.cosh(z).reciprocal_().square_()
+            z.tanh_().mul_(self.softcap)
+        return xc, z, cap_factor
+
+    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor) -> Tensor:
+        """Overwrites the chunk's logits ``z`` with dz (module docstring); ``cap_factor`` from
+        ``logits`` when a softcap is set."""
+        target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
         alpha = prob_c + 2 * lse_sq_c * lse
         z.sub_(lse[:, None]).exp_().mul_(alpha[:, None])
         rows = torch.arange(z.shape[0], device=z.device)
@@ -163,7 +168,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     step = chunk_rows(vocab, acc, 2 if softcap is not None else 1, low_memory)
     for start in range(0, rows_all.numel(), step):
         rows = rows_all[start:start + step]
-        xc, z = ch.logits(rows)
+        xc, z, cap_factor = ch.logits(rows, with_cap_factor=want_grads)
         tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
         if stats_wanted:
             lse_c = torch.logsumexp(z, dim=1)
@@ -180,7 +185,8 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             lse_c = lse_in.index_select(0, rows).to(acc)
         if not want_grads:
             continue
-        dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs])
+        dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs],
+                             cap_factor)
         if dx is not None:
             dx.index_copy_(0, rows, dz @ ch.weight)
         if dw is not None:
@@ -231,6 +237,6 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     step = chunk_rows(vocab, ch.acc, 1, False)
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)
-        _, z = ch.logits(rows)
+        _, z, _ = ch.logits(rows)
         out[start:start + rows.numel()] = z.sub_(torch.logsumexp(z, 1, keepdim=True))
     return out

@@ -15,25 +15,14 @@ if torch.cuda.is_available():
     from fused_ce.reference import GradCoefs
 
 
-def _row_chunks_multi(monkeypatch, z_bytes):
-    """A Z budget small enough for several chunks (dW goes through the fp32 accumulator) and
-    the other grid of the finish kernel than the configured one (one program per row, or a
-    few per multiprocessor looping over the rows)."""
-    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", z_bytes)
-    for cfg in (config.GPU, config.GPU_WIDE):
-        fin = cfg["row_finish"]
-        other = 1 if fin.get("programs_per_sm") is None else None
-        monkeypatch.setitem(cfg, "row_finish", dict(fin, programs_per_sm=other))
-
-
 @pytest.fixture(params=["row_chunks", "row_chunks_multi", "vocab_sweep"])
 def path(request, monkeypatch):
     """The CUDA paths of forward-with-gradients: the row-chunk cuBLAS path (the default for
-    16-bit inputs; "multi": several chunks, the finish kernel's other grid) and the all-Triton
-    vocabulary sweep."""
+    16-bit inputs; "multi" with a Z budget small enough for several chunks, so that dW goes
+    through the fp32 accumulator) and the all-Triton vocabulary sweep."""
     monkeypatch.setattr(config, "ROW_CHUNKS", request.param != "vocab_sweep")
     if request.param == "row_chunks_multi":
-        _row_chunks_multi(monkeypatch, 16 * 2**20)
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)
     return request.param
 
 
@@ -106,7 +95,7 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
         from fused_ce.kernels import row_chunks
         assert row_chunks.cublas_fp32_out_available(torch.device("cuda"))
         if which == "row_chunks_multi":  # 3000 rows of 40 KiB: 4 chunks
-            _row_chunks_multi(monkeypatch, 32 * 2**20)
+            monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 32 * 2**20)
     n, h, v = 3000, 1024, 10007  # V prime, rows not a multiple of any tile
     x, w, b, t = _inputs(n, h, v, dtype)
     coefs = _mean_coefs(t, n)

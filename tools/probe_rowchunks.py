@@ -1,14 +1,14 @@
 """One device call: the row-chunk path's pieces and whole, on the issue's shapes (H200).
 
     python tools/probe_rowchunks.py [--overhead] [--parts] [--budgets 0,256,512]
-        [--finish None:2048:4,2:2048:8] [--shapes ...]
+        [--finish 2048:8,2048:4] [--cprofile] [--shapes ...]
 
 Prints, per shape, Z budget and finish-kernel variant: forward+gradients time of
 fused_ce.kernels.forward (median ms, do_bench), its peak extra memory, the errors against an
 fp32 reference, and the API-level forward+backward time and memory. --parts times the pieces
 at the BERT shape (GEMMs with and without a padded weight copy, db's column sums, the finish
-kernel's block shapes and grids at three vocabulary sizes). --overhead profiles the host side
-of one API step (MLM and BERT 8k shapes).
+kernel's block shapes at three vocabulary sizes). --overhead profiles the host side of one API
+step (MLM and BERT 8k shapes) with torch.profiler, --cprofile with cProfile.
 """
 import argparse
 import os
@@ -77,8 +77,9 @@ def parts():
 
 
 def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
-    """finish_rows_kernel: one program per row vs a persistent grid of k programs per SM (rows
-    in flight few enough for pass 2 to find Z in L2), at BERT's, Llama-3's and Gemma-2's V."""
+    """finish_rows_kernel's block shapes at BERT's, Llama-3's and Gemma-2's V (one program per
+    row; a persistent grid of 1-8 programs per SM, meant to keep Z in L2 between the two
+    passes, measured 1.0-2.2x slower in session 3 and was dropped)."""
     n = c
     tgt = torch.randint(0, v, (n,), device="cuda")
     idx = torch.arange(n, device="cuda")
@@ -86,9 +87,6 @@ def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
     sc = torch.ones(1, device="cuda")
     st = [torch.empty(n, device="cuda") for _ in range(4)]
     am = torch.empty(n, device="cuda", dtype=torch.long)
-    sms = config.sm_count(torch.device("cuda"))
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"  SMs {sms}, L2 {l2 / MiB:.0f} MiB", flush=True)
     for vv in vocabs:
         vp = row_chunks.padded_vocab(vv)
         rows = min(c, (256 * MiB) // (vp * 4))
@@ -96,22 +94,16 @@ def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
         dd = zz.view(torch.bfloat16)
         bp = torch.randn(vp, device="cuda")
         gbytes = rows * vp * 10 / 1e9  # Z read twice (fp32), D written (bf16)
-        for bv, nw, per_sm in ((2048, 4, None), (2048, 8, None), (2048, 8, 1), (2048, 8, 2),
-                               (2048, 4, 4), (2048, 4, 2), (4096, 8, 2), (4096, 16, 1),
-                               (1024, 4, 4), (1024, 4, 8), (2048, 8, 4)):
+        for bv, nw in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
             for lse_in in (False, True):
-                if lse_in and per_sm not in (None, 2):
-                    continue
-                grid = row_chunks.finish_grid(rows, {"programs_per_sm": per_sm}, zz.device)
-                fn = lambda: row_chunks.finish_rows_kernel[(grid,)](  # noqa: E731
-                    zz, vp, dd, 2 * vp, bp, bp, tgt, idx, 0, rows, *cf, sc, *st, am, vv, vp,
-                    1.0, HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False,
-                    NEED_D=True, LSE_IN=lse_in, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
+                fn = lambda: row_chunks.finish_rows_kernel[(rows,)](  # noqa: E731
+                    zz, vp, dd, 2 * vp, bp, bp, tgt, idx, 0, *cf, sc, *st, am, vv, vp, 1.0,
+                    HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False, NEED_D=True,
+                    LSE_IN=lse_in, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
                 ms = bench_ms(fn)
                 gb = gbytes * (0.6 if lse_in else 1.0)
                 print(f"  finish V={vv:<6} rows={rows:<5} BLOCK_V={bv:<5} warps={nw:<2} "
-                      f"per_sm={per_sm!s:<4} lse_in={lse_in!s:<5} {ms:7.3f} ms "
-                      f"{gb / ms:6.2f} TB/s (2-pass bytes)", flush=True)
+                      f"lse_in={lse_in!s:<5} {ms:7.3f} ms {gb / ms:6.2f} TB/s", flush=True)
         del zz, dd
 
 
@@ -143,9 +135,31 @@ def overhead(shape, steps=20):
           flush=True)
 
 
+def python_profile(shape, steps=30):
+    """cProfile of API forward+backward steps: where the host's time goes, by function."""
+    import cProfile
+    import pstats
+    x, w, b, t = bench.make_inputs(shape)
+    params = [p for p in (x, w, b) if p is not None]
+    api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+    step = bench.forward_backward("fused_ce", "ce", api, params)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(45)
+
+
 def whole(shapes, budgets, finishes):
     """Per shape, Z budget (0: the library's own) and finish-kernel variant
-    (programs_per_sm:BLOCK_V:num_warps): kernels and API time, memory, errors."""
+    (BLOCK_V:num_warps): kernels and API time, memory, errors."""
     default = dict(config.GPU["row_finish"]), dict(config.GPU_WIDE["row_finish"])
     lo, hi = config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX
     for shape in shapes:
@@ -157,11 +171,9 @@ def whole(shapes, budgets, finishes):
             config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX = ((lo, hi) if budget == 0
                                                                   else (budget * MiB,) * 2)
             for fin in finishes:
-                per_sm, bv, nw = fin.split(":")
+                bv, nw = fin.split(":")
                 for cfg in (config.GPU, config.GPU_WIDE):
-                    cfg["row_finish"] = dict(BLOCK_V=int(bv), num_warps=int(nw),
-                                             programs_per_sm=None if per_sm == "None"
-                                             else int(per_sm))
+                    cfg["row_finish"] = dict(BLOCK_V=int(bv), num_warps=int(nw))
                 fn = bench.method_fn("kernels", "ce", x, w, b, t)
                 ms = bench_ms(fn)
                 pk = bench.peak_mib(fn)
@@ -187,9 +199,10 @@ def main():
     ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--budgets", default="0", help="MiB of Z; 0: the library's own")
-    ap.add_argument("--finish", default="None:2048:4",
-                    help="finish-kernel variants programs_per_sm:BLOCK_V:num_warps, "
-                         "comma-separated")
+    ap.add_argument("--finish", default="2048:8",
+                    help="finish-kernel variants BLOCK_V:num_warps, comma-separated")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="the host side of an MLM-shape API step under cProfile")
     ap.add_argument("--shapes", default="bert8k,mlm,bert16k,llama3,gemma2")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -197,6 +210,8 @@ def main():
     if args.overhead:
         overhead("mlm")
         overhead("bert8k")
+    if args.cprofile:
+        python_profile("mlm")
     if args.parts:
         parts()
     whole(args.shapes.split(","), [int(b) for b in args.budgets.split(",")],

@@ -14,8 +14,9 @@ GPU = {
     # programs per multiprocessor the statistics pass aims for (vocabulary splits fill the
     # machine when few rows are valid)
     "stats_programs_per_sm": 8,
-    # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound
-    "row_finish": dict(BLOCK_V=2048, num_warps=4),
+    # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound; 8 warps measured
+    # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
+    "row_finish": dict(BLOCK_V=2048, num_warps=8),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -30,7 +31,7 @@ INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
-    "row_finish": dict(BLOCK_V=32, num_warps=1, programs_per_sm=3),
+    "row_finish": dict(BLOCK_V=32, num_warps=1),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

@@ -67,34 +67,17 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 
 @triton.jit
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
-                       n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
+                       c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
                        WITH_WS: tl.constexpr, NEED_D: tl.constexpr, LSE_IN: tl.constexpr,
                        D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Rows r = program_id, program_id + programs, ... < n_rows of the chunk (compacted
-    position c0 + r): a grid smaller than the chunk keeps the rows in flight few enough that
-    pass 2 finds its row of Z still in L2 (``_finish_grid``). Z and the bias are readable in
-    columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are the columns
-    [0, V). Writes each row's statistics (unless LSE_IN: then ``lse_ptr`` is read) and, with
-    NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        _finish_row(r, z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
-                    c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr, lse_ptr,
-                    zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap, HAS_BIAS, HAS_SOFTCAP,
-                    HAS_CW, WITH_WS, NEED_D, LSE_IN, D_OVER_Z, BLOCK_V)
-
-
-@triton.jit
-def _finish_row(r, z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
-                c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr, lse_ptr, zt_ptr,
-                ws_ptr, max_ptr, am_ptr, V, VPAD, softcap, HAS_BIAS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
-                NEED_D: tl.constexpr, LSE_IN: tl.constexpr, D_OVER_Z: tl.constexpr,
-                BLOCK_V: tl.constexpr):
-    """Row r of the chunk (finish_rows_kernel)."""
+    """One program per row r of the chunk (compacted position c0 + r). Z and the bias are
+    readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
+    the columns [0, V). Writes the row's statistics (unless LSE_IN: then ``lse_ptr`` is read)
+    and, with NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
+    r = tl.program_id(0).to(tl.int64)
     row = tl.load(row_idx_ptr + c0 + r)
-    r = tl.cast(r, tl.int64)  # (a loop index: a plain int under the interpreter)
     tgt = tl.load(target_ptr + row)
     z_row = z_ptr + r * ldz
     lanes = tl.arange(0, BLOCK_V)
@@ -195,15 +178,6 @@ def _gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: flo
     return torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
-def finish_grid(rows: int, fin: dict, device: torch.device) -> int:
-    """Programs of finish_rows_kernel: one per row, or ``programs_per_sm`` per multiprocessor
-    looping over the rows (fewer rows in flight: their Z stays in L2 between the two passes)."""
-    per_sm = fin.get("programs_per_sm")
-    if per_sm is None:
-        return rows
-    return max(1, min(rows, per_sm * config.sm_count(device)))
-
-
 def applicable(p: Problem, low_memory: bool) -> bool:
     """The default for losses with gradients: 16-bit CUDA inputs (fp32 ones keep the exact
     Triton path), outside CUDA-graph capture; config.ROW_CHUNKS_ON_CPU lets the interpreter
@@ -286,8 +260,8 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
         _gemm_f32(xc, wp.t(), z[:cc])
-        finish_rows_kernel[(finish_grid(cc, fin, dev),)](
-            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
+        finish_rows_kernel[(cc,)](
+            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
             scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
