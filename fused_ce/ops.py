@@ -32,10 +32,12 @@ _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the f
                     "supported; compute higher-order gradients from explicit logits instead")
 
 
-def _row_loss(stats, coefs: GradCoefs) -> Tensor:
+def _row_loss(stats, coefs: GradCoefs, with_weighted_sum: bool) -> Tensor:
+    """loss_i (module docstring); without the weighted sums (no label smoothing: its
+    coefficient is 0) their term is left out."""
     lse = stats.lse
-    return (coefs.prob * lse - coefs.target * stats.target_logit
-            - coefs.smooth * stats.weighted_sum + coefs.lse_sq * lse * lse)
+    loss = coefs.prob * lse - coefs.target * stats.target_logit + coefs.lse_sq * lse * lse
+    return loss - coefs.smooth * stats.weighted_sum if with_weighted_sum else loss
 
 
 def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:
@@ -59,7 +61,7 @@ def linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
         low_memory=low_memory, check_targets=True)
-    loss = _row_loss(stats, coefs).sum()
+    loss = _row_loss(stats, coefs, with_weighted_sum).sum()
     grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
     return (loss, stats.lse.clone(), stats.argmax.clone(), *grads)
 
@@ -135,7 +137,8 @@ def linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
     stats = backend_for(x).forward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                    with_weighted_sum=with_weighted_sum, low_memory=low_memory,
                                    check_targets=True)
-    return _row_loss(stats, coefs), stats.lse.clone(), stats.argmax.clone()
+    return (_row_loss(stats, coefs, with_weighted_sum), stats.lse.clone(),
+            stats.argmax.clone())
 
 
 @linear_ce_rows.register_fake

@@ -127,14 +127,17 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
                 check_targets=False):
     cf = row_coefs(p, coefs)
-    scale = grad_scale(p, cf)
-    # The one host sync of this path: cuBLAS needs the number of valid rows; the fp16 scale and
-    # (check_targets) the count of out-of-range targets come with it; an error then names one.
-    read = [p.n_valid.double(), scale.double()]
+    # The one host sync of this path: cuBLAS needs the number of valid rows; the fp16 scale
+    # (1 for the other dtypes) and (check_targets) the count of out-of-range targets come with
+    # it; an error then names one.
+    read = [p.n_valid.double()]
+    if p.x.dtype == torch.float16:
+        read.append(grad_scale(p, cf).double())
     if check_targets:
         read.append((p.valid & ((p.target < 0) | (p.target >= p.V))).sum().double().reshape(1))
-    p.n_valid_host, d_scale, *bad = torch.cat(read).tolist()
-    if any(bad):
+    p.n_valid_host, *host = torch.cat(read).tolist() if len(read) > 1 else read[0].tolist()
+    d_scale = host.pop(0) if p.x.dtype == torch.float16 else 1.0
+    if host and host[0]:
         check_target_values(p.target, p.V, p.ignore_index)
     return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
                                          lse_in=lse_in)

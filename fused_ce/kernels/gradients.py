@@ -36,8 +36,13 @@ def _fit(budget_elems: int, per: int, block: int, cap: int) -> int:
 
 
 def row_coefs(p: Problem, coefs: GradCoefs):
-    return [torch.as_tensor(c, device=p.device).to(torch.float32).expand(p.N).contiguous()
-            for c in (coefs.target, coefs.smooth, coefs.prob, coefs.lse_sq)]
+    """The four coefficients as contiguous fp32 (N,) vectors (as given when they are already)."""
+    def as_rows(c):
+        if (isinstance(c, torch.Tensor) and c.dtype == torch.float32 and c.shape == (p.N,)
+                and c.is_contiguous()):
+            return c
+        return torch.as_tensor(c, device=p.device).to(torch.float32).expand(p.N).contiguous()
+    return [as_rows(c) for c in (coefs.target, coefs.smooth, coefs.prob, coefs.lse_sq)]
 
 
 def grad_scale(p: Problem, cf) -> torch.Tensor:
