@@ -3,14 +3,15 @@ rows, the softmax work in one memory-bound Triton kernel between them.
 
 Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
 
-    Z  = x_c @ Wp.T                    cuBLAS, fp32 output; Wp = W with V padded to a multiple
-                                       of 64 by zero rows (a copy only when V is not one)
+    Z  = x_c @ W.T                     cuBLAS, fp32 output, in rows padded to a multiple of 64
+                                       columns; W's first V64 rows (V rounded down to a multiple
+                                       of 64: a fast size) and the rest in a second, small GEMM
     finish_rows_kernel                 per row: + bias (once), softcap; pass 1 folds the row into
                                        lane-wise running max / sum-exp / argmax / sum_j w_j z_j
                                        and reduces them once; pass 2 writes dz (input dtype) over
                                        the first half of Z's own row. With a given lse (the
                                        backward of reduction='none') pass 1 is skipped.
-    dX[rows_c]  = D @ Wp               cuBLAS, fp32 output, rounded once into dX (the fp32
+    dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
                                        output also keeps cuBLAS from reducing split-K partials
                                        in 16 bits)
     dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
@@ -18,8 +19,8 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``row_chunk_budget``, or twice that when all valid rows fit in one chunk), Wp when it is a copy,
-and the fp32 dW (4 V H bytes) when there are several chunks. cuBLAS needs the number of valid
+``row_chunk_budget``, or twice that when all valid rows fit in one chunk) and the fp32 dW
+(4 V H bytes) when there are several chunks. cuBLAS needs the number of valid
 rows on the host: the caller reads it once per call (with the fp16 gradient scale and the count
 of out-of-range targets), so this path is not used while a CUDA graph is being captured; the
 vocabulary sweep (gradients.py) serves that case.
@@ -238,17 +239,28 @@ def _padded_bias(bias, v_pad: int, device) -> torch.Tensor:
     return bp
 
 
+def vocab_parts(v: int) -> list[tuple[int, int]]:
+    """Column ranges of W the GEMMs run on: [0, V64) with V64 = V rounded down to a multiple of
+    64 (a fast cuBLAS size, a view of W), then the < 64 rows left, if any (a small GEMM). No
+    padded copy of W is made."""
+    v64 = v // 64 * 64
+    return [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
+
+
 def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, lse_in,
                   dx, dw, dw32, db32):
     """The chunk loop of forward_with_grads (its workspaces are freed on return, before the
     fp32 accumulators are rounded into the gradients)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
-    wp = padded_weight(p.weight)
-    v_pad = wp.shape[0]
+    w = p.weight
+    v_pad = padded_vocab(v)
+    parts = vocab_parts(v)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
+    # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V are never written;
+    # the kernel reads them, aligned, and masks them out)
     z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
     # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
@@ -259,7 +271,8 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
-        _gemm_f32(xc, wp.t(), z[:cc])
+        for a, b in parts:
+            _gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
         finish_rows_kernel[(cc,)](
             z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
             scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
@@ -267,20 +280,21 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
             D_OVER_Z=d.data_ptr() == z.data_ptr(), BLOCK_V=fin["BLOCK_V"],
             num_warps=fin["num_warps"])
-        dc = d[:cc, :v_pad]
+        dc = d[:cc, :v]
         if dx is not None:
-            _gemm_f32(dc, wp, dx32[:cc], alpha=inv_scale)
+            for i, (a, b) in enumerate(parts):
+                _gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
             if nv == n:
                 dx[c0:c0 + cc] = dx32[:cc]
             else:
                 dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
-        if dw is not None:
-            if dc.is_cuda and dc.dtype != torch.float32:
-                torch.addmm(dw, dc.t(), xc, beta=0, alpha=inv_scale, out=dw)
+        for a, b in parts if dw is not None or dw32 is not None else ():
+            if dw is None:
+                _gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=True)
+            elif dc.is_cuda and dc.dtype != torch.float32:
+                torch.addmm(dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale, out=dw[a:b])
             else:
-                dw.copy_(torch.mm(dc.t().float(), xc.float()).mul_(inv_scale))
-        elif dw32 is not None:
-            _gemm_f32(dc.t(), xc, dw32, alpha=inv_scale, accumulate=True)
+                dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
         if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
             _gemm_f32(ones[:, :cc], dc, db32, alpha=inv_scale, accumulate=True)
 
@@ -292,8 +306,9 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
     computed (None is returned for them) and the gradients use the given lse.
 
-    The GEMMs run over V padded to a multiple of 64 (a zero-padded copy of W when V is not
-    one already): cuBLAS is 2.5-3x slower on V = 30258 or with K = 30258 (H200, NOTES.md)."""
+    The GEMMs run over W's first V64 rows (V rounded down to a multiple of 64), with a small
+    GEMM for the rest (``vocab_parts``): cuBLAS is 2.5-3x slower on V = 30258 or with K = 30258
+    (H200, NOTES.md)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     nv = int(p.n_valid_host)
     if lse_in is None:
@@ -303,25 +318,22 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
         lse = lse_in.to(torch.float32).contiguous()
         zt = ws = mx = am = lse  # not written (LSE_IN)
     dx = torch.zeros_like(p.x) if need_dx else None
-    v_pad = padded_vocab(v)
-    n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
+    n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
-    dw = torch.empty((v_pad, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    dw32 = (torch.zeros((v_pad, h), dtype=torch.float32, device=dev)
+    dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
+    dw32 = (torch.zeros((v, h), dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = torch.zeros((1, v_pad), dtype=torch.float32, device=dev) if need_db else None
+    db32 = torch.zeros((1, v), dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
                       ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
     elif dw is not None:
         dw.zero_()
     if dw32 is not None:
-        dw = dw32[:v].to(p.weight.dtype)
-    elif dw is not None:
-        dw = dw[:v]  # a view: the padded rows (< 64 of them) stay allocated with it
+        dw = dw32.to(p.weight.dtype)
     db = None
     if db32 is not None:
-        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+        db = db32[0].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
     stats = None if lse_in is not None else (lse, zt, ws, mx, am)
     return stats, (dx, dw, db)
 
