@@ -4,8 +4,9 @@ rows, the softmax work in one memory-bound Triton kernel between them.
 Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
 
     Z  = x_c @ W.T                     cuBLAS, fp32 output, in rows padded to a multiple of 64
-                                       columns; W's first V64 rows (V rounded down to a multiple
-                                       of 64: a fast size) and the rest in a second, small GEMM
+                                       columns, on V a multiple of 64 (gemm_weight: a padded
+                                       copy of W, or with one chunk its first V64 rows and a
+                                       small GEMM for the rest)
     finish_rows_kernel                 per row: + bias (once), softcap; pass 1 folds the row into
                                        lane-wise running max / sum-exp / argmax / sum_j w_j z_j
                                        and reduces them once; pass 2 writes dz (input dtype) over
@@ -19,8 +20,8 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``row_chunk_budget``, or twice that when all valid rows fit in one chunk) and the fp32 dW
-(4 V H bytes) when there are several chunks. cuBLAS needs the number of valid
+``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
+the fp32 dW (4 V H bytes) and the padded copy of W when V is not a multiple of 64. cuBLAS needs the number of valid
 rows on the host: the caller reads it once per call (with the fp16 gradient scale and the count
 of out-of-range targets), so this path is not used while a CUDA graph is being captured; the
 vocabulary sweep (gradients.py) serves that case.
@@ -239,28 +240,34 @@ def _padded_bias(bias, v_pad: int, device) -> torch.Tensor:
     return bp
 
 
-def vocab_parts(v: int) -> list[tuple[int, int]]:
-    """Column ranges of W the GEMMs run on: [0, V64) with V64 = V rounded down to a multiple of
-    64 (a fast cuBLAS size, a view of W), then the < 64 rows left, if any (a small GEMM). No
-    padded copy of W is made."""
+def gemm_weight(weight: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, list]:
+    """(the weight the GEMMs read, the row ranges they run on). cuBLAS wants V a multiple of
+    64. Several chunks: a zero-padded copy of W (``padded_weight``), one range of v_pad rows.
+    One chunk: no copy; W's first V64 rows (V rounded down to a multiple of 64, a view) and the
+    < 64 left in a second, small GEMM. (H200, session 3: the split saves the copy at one chunk,
+    MLM 1.47 vs 1.53 ms and 60 MiB less, but costs ~0.06 ms per chunk in its small GEMMs: BERT
+    8k, four chunks, 3.93 vs 3.68 ms.)"""
+    v = weight.shape[0]
+    if n_chunks > 1:
+        wp = padded_weight(weight)
+        return wp, [(0, wp.shape[0])]
     v64 = v // 64 * 64
-    return [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
+    return weight, [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
 
 
 def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, lse_in,
-                  dx, dw, dw32, db32):
+                  dx, dw, dw32, db32, w, parts):
     """The chunk loop of forward_with_grads (its workspaces are freed on return, before the
-    fp32 accumulators are rounded into the gradients)."""
+    fp32 accumulators are rounded into the gradients); ``w, parts`` from gemm_weight."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
-    w = p.weight
     v_pad = padded_vocab(v)
-    parts = vocab_parts(v)
+    v_gemm = parts[-1][1]  # V, or v_pad with a padded copy (its columns past V are 0)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
-    # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V are never written;
-    # the kernel reads them, aligned, and masks them out)
+    # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a padded
+    # W, or never written; the kernel reads them, aligned, and masks them out)
     z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
     # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
@@ -280,7 +287,7 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
             D_OVER_Z=d.data_ptr() == z.data_ptr(), BLOCK_V=fin["BLOCK_V"],
             num_warps=fin["num_warps"])
-        dc = d[:cc, :v]
+        dc = d[:cc, :v_gemm]
         if dx is not None:
             for i, (a, b) in enumerate(parts):
                 _gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
@@ -306,9 +313,8 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
     computed (None is returned for them) and the gradients use the given lse.
 
-    The GEMMs run over W's first V64 rows (V rounded down to a multiple of 64), with a small
-    GEMM for the rest (``vocab_parts``): cuBLAS is 2.5-3x slower on V = 30258 or with K = 30258
-    (H200, NOTES.md)."""
+    The GEMMs run on V a multiple of 64 (``gemm_weight``): cuBLAS is 2.5-3x slower on V = 30258
+    or with K = 30258 (H200, NOTES.md)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     nv = int(p.n_valid_host)
     if lse_in is None:
@@ -321,19 +327,21 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
     dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    dw32 = (torch.zeros((v, h), dtype=torch.float32, device=dev)
+    v_gemm = v if n_chunks == 1 else padded_vocab(v)  # (rows of gemm_weight's weight)
+    dw32 = (torch.zeros((v_gemm, h), dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = torch.zeros((1, v), dtype=torch.float32, device=dev) if need_db else None
+    db32 = torch.zeros((1, v_gemm), dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
-                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
+                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32,
+                      *gemm_weight(p.weight, n_chunks))
     elif dw is not None:
         dw.zero_()
     if dw32 is not None:
-        dw = dw32.to(p.weight.dtype)
+        dw = dw32[:v].to(p.weight.dtype)
     db = None
     if db32 is not None:
-        db = db32[0].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
     stats = None if lse_in is not None else (lse, zt, ws, mx, am)
     return stats, (dx, dw, db)
 
