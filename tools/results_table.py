@@ -4,7 +4,7 @@ import json
 import sys
 
 ORDER = ["bert8k", "bert16k", "mlm", "llama3", "gemma2", "logsoftmax"]
-METHODS = ["floor", "fused_ce", "fused_ce_again", "kernels", "fused_ce_sweep", "fused_ce_lowmem", "eager",
+METHODS = ["floor", "fused_ce", "fused_ce_stats", "fused_ce_again", "kernels", "fused_ce_sweep", "fused_ce_lowmem", "eager",
            "compile", "liger", "cce"]
 
 
