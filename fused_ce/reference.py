@@ -31,8 +31,9 @@ over the *whole* vocabulary) with respect to the logits is::
     with  p_ij = exp(z_ij - lse_i),  prob_i = a_i + c_i * W,  target_i = a_i,  smooth_i = c_i,
           lse_sq_i = e_i,
 
-times ``1 - (z_ij / softcap)**2`` (the softcap's derivative) when a softcap is set. Then ``dx = dz @ W``, ``dW = dz.T @ x``,
-``db = dz.sum(0)``, each accumulated in fp32 and returned in the dtype of its input.
+times ``1 - (z_ij / softcap)**2`` (the softcap's derivative) when a softcap is set. Then
+``dx = dz @ W``, ``dW = dz.T @ x``, ``db = dz.sum(0)``, each accumulated in fp32 and returned
+in the dtype of its input.
 
 * ``forward(..., coefs=GradCoefs, need_dx/need_dw/need_db)`` also returns those gradients,
   computed from the lse of the same pass (three GEMM-equivalents in one sweep).

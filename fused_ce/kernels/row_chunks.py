@@ -21,10 +21,10 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
-the fp32 dW (4 V H bytes) and the padded copy of W when V is not a multiple of 64. cuBLAS needs the number of valid
-rows on the host: the caller reads it once per call (with the fp16 gradient scale and the count
-of out-of-range targets), so this path is not used while a CUDA graph is being captured; the
-vocabulary sweep (gradients.py) serves that case.
+the fp32 dW (4 V H bytes) and the padded copy of W when V is not a multiple of 64. cuBLAS
+needs the number of valid rows on the host: the caller reads it once per call (with the fp16
+gradient scale and the count of out-of-range targets), so this path is not used while a CUDA
+graph is being captured; the vocabulary sweep (gradients.py) serves that case.
 """
 
 from __future__ import annotations
