@@ -33,11 +33,18 @@ _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the f
 
 
 def _row_loss(stats, coefs: GradCoefs, with_weighted_sum: bool) -> Tensor:
-    """loss_i (module docstring); without the weighted sums (no label smoothing: its
-    coefficient is 0) their term is left out."""
+    """loss_i (module docstring). Without the weighted sums (no label smoothing: the API then
+    passes smooth = 0 and prob = target) the first terms are target * (lse - z_t), taken from
+    the backend's nll = lse - z_t when it gives one: no cancellation of lse against z_t."""
     lse = stats.lse
-    loss = coefs.prob * lse - coefs.target * stats.target_logit + coefs.lse_sq * lse * lse
-    return loss - coefs.smooth * stats.weighted_sum if with_weighted_sum else loss
+    if with_weighted_sum:
+        loss = (coefs.prob * lse - coefs.target * stats.target_logit
+                - coefs.smooth * stats.weighted_sum)
+    elif stats.nll is not None:
+        loss = coefs.target * stats.nll
+    else:
+        loss = coefs.prob * lse - coefs.target * stats.target_logit
+    return loss + coefs.lse_sq * lse * lse
 
 
 def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:

@@ -22,6 +22,11 @@ Logits of a processed row, computed with fp32 (fp64 for fp64 inputs) accumulatio
                                                  ``with_weighted_sum``, else zeros)
     max_logit_i     = max_j z_ij,  argmax_i = first j attaining it (torch.argmax's tie rule);
                       argmax is ``ignore_index`` on ignored rows
+    nll_i           = lse_i - target_logit_i    (optional, None if not given: this backend
+                                                 computes it as (m_i - z_{i,t_i}) + log sum_j
+                                                 exp(z_ij - m_i), m_i the row max, which keeps
+                                                 the digits lse_i's rounding drops when the
+                                                 target has nearly all the probability)
 
 Gradients use four per-row coefficients ``GradCoefs(target, smooth, prob, lse_sq)`` -- the
 derivative of the row loss  a*(lse - z_t) + c*(W*lse - weighted_sum) + e*lse**2  (W = sum_j w_j
@@ -76,6 +81,7 @@ class RowStats(NamedTuple):
     dx: Optional[Tensor] = None
     dw: Optional[Tensor] = None
     db: Optional[Tensor] = None
+    nll: Optional[Tensor] = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -130,14 +136,27 @@ class _Chunker:
             z.tanh_().mul_(self.softcap)
         return xc, z, cap_factor
 
-    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor) -> Tensor:
+    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor, shifted=None) -> Tensor:
         """Overwrites the chunk's logits ``z`` with dz (module docstring); ``cap_factor`` from
-        ``logits`` when a softcap is set."""
+        ``logits`` when a softcap is set. ``shifted = (m, s)`` with ``s = logsumexp(z - m)``
+        (lse = m + s): the log-probabilities are then (z - m) - s, which keeps the digits that
+        rounding m + s into one fp32 lse drops (at |lse| ~ 5 it rounds to 4.8e-7, all of
+        1 - p when p ~ 1 - 2e-7); without it, z - lse."""
         target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
         alpha = prob_c + 2 * lse_sq_c * lse
-        z.sub_(lse[:, None]).exp_().mul_(alpha[:, None])
         rows = torch.arange(z.shape[0], device=z.device)
-        z.index_put_((rows, tgt), -(target_c * has_tgt), accumulate=True)
+        if shifted is None:
+            z.sub_(lse[:, None])
+        else:
+            z.sub_(shifted[0][:, None]).sub_(shifted[1][:, None])
+        log_p_t = z[rows, tgt]
+        z.exp_().mul_(alpha[:, None])
+        # The target column, alpha * p_t - target_c, as alpha * expm1(log p_t) + (alpha -
+        # target_c): equal, but a p_t near 1 is stored with an absolute error of ~6e-8 in fp32,
+        # which is all of 1 - p_t once that is ~1e-7; expm1 of log p_t keeps 1 - p_t to a few
+        # ulps. Without smoothing and z-loss alpha - target_c is exactly 0.
+        z_t = alpha * torch.expm1(log_p_t) + ((prob_c - target_c) + 2 * lse_sq_c * lse)
+        z[rows, tgt] = torch.where(has_tgt, z_t, z[rows, tgt])
         if self.class_weight is None:
             z.sub_(smooth_c[:, None])
         else:
@@ -163,6 +182,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         target_logit = torch.zeros_like(lse)
         weighted_sum = torch.zeros_like(lse)
         max_logit = torch.zeros_like(lse)
+        nll = torch.zeros_like(lse)
         argmax = torch.full((n,), ignore_index, dtype=torch.long, device=x.device)
 
     rows_all = _processed_rows(target, ignore_index)
@@ -171,15 +191,23 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         rows = rows_all[start:start + step]
         xc, z, cap_factor = ch.logits(rows, with_cap_factor=want_grads)
         tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
+        shifted = None
         if stats_wanted:
-            lse_c = torch.logsumexp(z, dim=1)
+            # lse = m + s with m the row max (0 where it is not finite) and s = logsumexp(z - m);
+            # m and s are kept apart for the nll and the gradient (grad_logits_)
+            mx, am = z.max(dim=1)
+            finite = torch.isfinite(mx)
+            m = torch.where(finite, mx, 0)
+            shifted = (m, torch.logsumexp(z - m[:, None], dim=1))
+            lse_c = shifted[0] + shifted[1]
             lse.index_copy_(0, rows, lse_c)
             zt = z.gather(1, tgt[:, None]).squeeze(1) * has_tgt
             target_logit.index_copy_(0, rows, zt)
+            nll.index_copy_(0, rows, torch.where(finite & has_tgt, (m - zt) + shifted[1],
+                                                 lse_c - zt))
             if with_weighted_sum:
                 ws = z.sum(1) if ch.class_weight is None else z @ ch.class_weight
                 weighted_sum.index_copy_(0, rows, ws)
-            mx, am = z.max(dim=1)
             max_logit.index_copy_(0, rows, mx)
             argmax.index_copy_(0, rows, am)
         else:
@@ -187,7 +215,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         if not want_grads:
             continue
         dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs],
-                             cap_factor)
+                             cap_factor, shifted)
         if dx is not None:
             dx.index_copy_(0, rows, dz @ ch.weight)
         if dw is not None:
@@ -202,7 +230,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     )
     if not stats_wanted:
         return grads
-    return RowStats(lse, target_logit, weighted_sum, max_logit, argmax, *grads)
+    return RowStats(lse, target_logit, weighted_sum, max_logit, argmax, *grads, nll)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
