@@ -166,7 +166,8 @@ def linear_ce_rows_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], t
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
     grads = backend_for(x).backward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                     lse, coefs, need_dx=need_dx, need_dw=need_dw,
-                                    need_db=need_db and bias is not None, low_memory=low_memory)
+                                    need_db=need_db and bias is not None, low_memory=low_memory,
+                                    lse_is_local=True)
     return tuple(g if g is not None else _empty(x) for g in grads)
 
 

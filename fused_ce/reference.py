@@ -166,8 +166,17 @@ class _Chunker:
         return z
 
 
+def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
+    """(finite, m, s): lse = m + s with m the row max ``mx`` (0 where it is not finite) and
+    s = logsumexp(z - m), kept apart for the nll and the gradient (grad_logits_)."""
+    mx = z.amax(dim=1) if mx is None else mx
+    finite = torch.isfinite(mx)
+    m = torch.where(finite, mx, 0)
+    return finite, m, torch.logsumexp(z - m[:, None], dim=1)
+
+
 def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in, coefs,
-         with_weighted_sum, need_dx, need_dw, need_db, low_memory):
+         with_weighted_sum, need_dx, need_dw, need_db, low_memory, lse_is_local=False):
     n, vocab = x.shape[0], weight.shape[0]
     ch = _Chunker(x, weight, bias, class_weight, softcap)
     acc = ch.acc
@@ -193,18 +202,14 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
         shifted = None
         if stats_wanted:
-            # lse = m + s with m the row max (0 where it is not finite) and s = logsumexp(z - m);
-            # m and s are kept apart for the nll and the gradient (grad_logits_)
             mx, am = z.max(dim=1)
-            finite = torch.isfinite(mx)
-            m = torch.where(finite, mx, 0)
-            shifted = (m, torch.logsumexp(z - m[:, None], dim=1))
-            lse_c = shifted[0] + shifted[1]
+            finite, m, s = _shifted_lse(z, mx)
+            shifted = (m, s)
+            lse_c = m + s
             lse.index_copy_(0, rows, lse_c)
             zt = z.gather(1, tgt[:, None]).squeeze(1) * has_tgt
             target_logit.index_copy_(0, rows, zt)
-            nll.index_copy_(0, rows, torch.where(finite & has_tgt, (m - zt) + shifted[1],
-                                                 lse_c - zt))
+            nll.index_copy_(0, rows, torch.where(finite & has_tgt, (m - zt) + s, lse_c - zt))
             if with_weighted_sum:
                 ws = z.sum(1) if ch.class_weight is None else z @ ch.class_weight
                 weighted_sum.index_copy_(0, rows, ws)
@@ -212,6 +217,8 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             argmax.index_copy_(0, rows, am)
         else:
             lse_c = lse_in.index_select(0, rows).to(acc)
+            if lse_is_local and want_grads:
+                shifted = _shifted_lse(z)[1:]
         if not want_grads:
             continue
         dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs],
@@ -251,11 +258,14 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
              softcap: Optional[float], class_weight: Optional[Tensor], lse: Tensor,
              coefs: GradCoefs, *, need_dx: bool, need_dw: bool, need_db: bool,
-             low_memory: bool = False):
-    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse``."""
+             low_memory: bool = False, lse_is_local: bool = False):
+    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse``.
+    ``lse_is_local``: the lse is these logits' own (not a vocab-parallel global one), so the
+    probabilities may come from the recomputed logits' m + s (grad_logits_), which keeps the
+    digits the stored fp32 lse lost; the lse itself still sets the z-loss term."""
     return _run(x, weight, bias, target, ignore_index, softcap, class_weight, lse_in=lse,
                 coefs=coefs, with_weighted_sum=False, need_dx=need_dx, need_dw=need_dw,
-                need_db=need_db, low_memory=low_memory)
+                need_db=need_db, low_memory=low_memory, lse_is_local=lse_is_local)
 
 
 def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

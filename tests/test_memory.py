@@ -24,3 +24,38 @@ def test_fused_peak_memory_is_bounded_by_grads_plus_256mib():
     logits_mib = n * v * 4 / 2**20
     assert fused["extra_peak_mib"] <= fused["grads_mib"] + 256, fused
     assert fused["extra_peak_mib"] < logits_mib / 4, fused
+
+
+def test_backward_makes_no_zero_gradients_for_the_ops_other_outputs():
+    """The fused op returns lse, argmax and the forward-computed gradients next to the loss;
+    autograd must not materialize zero upstream gradients for them (a dW-sized buffer per
+    backward): the backward allocates nothing input- or weight-sized (the forward-computed
+    gradients are scaled in place)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fused_ce
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                        torch.ops.aten.new_zeros.default, torch.ops.aten.empty.memory_format,
+                        torch.ops.aten.empty_like.default, torch.ops.aten.full.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    x = torch.randn(12, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    b = torch.randn(37, requires_grad=True)
+    t = torch.randint(0, 37, (12,))
+    loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
+    with Allocations() as seen:
+        loss.backward()
+    assert tuple(w.shape) not in seen.shapes and tuple(x.shape) not in seen.shapes, seen.shapes
+    want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w, b), t)
+    assert torch.allclose(w.grad, torch.autograd.grad(want, w)[0], atol=1e-6)

@@ -110,12 +110,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
              softcap: Optional[float], class_weight: Optional[Tensor], lse: Tensor,
              coefs: GradCoefs, *, need_dx: bool, need_dw: bool, need_db: bool,
-             low_memory: bool = False):
-    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse``."""
+             low_memory: bool = False, lse_is_local: bool = False):
+    """(dx, dw, db) of the logits gradient defined by ``coefs`` and the given ``lse`` (used
+    as given, whether or not ``lse_is_local``: see reference.backward)."""
     if _use_reference(x, weight):
         return reference.backward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                   lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                                  low_memory=low_memory)
+                                  low_memory=low_memory, lse_is_local=lse_is_local)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     if row_chunks.applicable(p, low_memory):
         _, grads = _row_chunks(p, coefs, False, need_dx, need_dw, need_db, lse_in=lse)
