@@ -107,15 +107,20 @@ def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
         del zz, dd
 
 
+def api_step(inputs):
+    """(one API forward+backward step, the API call, the parameters) on bench inputs."""
+    x, w, b, t = inputs
+    params = [p for p in (x, w, b) if p is not None]
+    api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+    return bench.forward_backward("fused_ce", "ce", api, params), api, params
+
+
 def overhead(shape, steps=20):
     """Host-side cost of one API forward+backward: the host wall time per step, then
     torch.profiler's CPU and CUDA time per op."""
     import time
     from torch.profiler import ProfilerActivity, profile
-    x, w, b, t = bench.make_inputs(shape)
-    params = [p for p in (x, w, b) if p is not None]
-    api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
-    step = bench.forward_backward("fused_ce", "ce", api, params)
+    step = api_step(bench.make_inputs(shape))[0]
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -139,10 +144,7 @@ def python_profile(shape, steps=30):
     """cProfile of API forward+backward steps: where the host's time goes, by function."""
     import cProfile
     import pstats
-    x, w, b, t = bench.make_inputs(shape)
-    params = [p for p in (x, w, b) if p is not None]
-    api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
-    step = bench.forward_backward("fused_ce", "ce", api, params)
+    step = api_step(bench.make_inputs(shape))[0]
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -164,7 +166,6 @@ def whole(shapes, budgets, finishes):
     lo, hi = config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX
     for shape in shapes:
         x, w, b, t = bench.make_inputs(shape)
-        params = [p for p in (x, w, b) if p is not None]
         ref = bench.reference_fp32("ce", x, w, b, t)
         for budget in budgets:
             # a fixed Z budget (the library's own is half the fp32 dW within these bounds)
@@ -177,8 +178,7 @@ def whole(shapes, budgets, finishes):
                 fn = bench.method_fn("kernels", "ce", x, w, b, t)
                 ms = bench_ms(fn)
                 pk = bench.peak_mib(fn)
-                api = lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
-                step = bench.forward_backward("fused_ce", "ce", api, params)
+                step, api, params = api_step((x, w, b, t))
                 api_ms = bench_ms(step)
                 for p in params:
                     p.grad = None
