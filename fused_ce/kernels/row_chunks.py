@@ -256,12 +256,13 @@ def gemm_weight(weight: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, list
 
 
 def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, lse_in,
-                  dx, dw, dw32, db32, w, parts):
-    """The chunk loop of forward_with_grads (its workspaces are freed on return, before the
-    fp32 accumulators are rounded into the gradients); ``w, parts`` from gemm_weight."""
+                  dx, dw, dw32, db32):
+    """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
+    freed on return, before the fp32 accumulators are rounded into the gradients)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
+    w, parts = gemm_weight(p.weight, triton.cdiv(nv, c))
     v_gemm = parts[-1][1]  # V, or v_pad with a padded copy (its columns past V are 0)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
@@ -303,7 +304,7 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
             else:
                 dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
         if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
-            _gemm_f32(ones[:, :cc], dc, db32, alpha=inv_scale, accumulate=True)
+            _gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=True)
 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
@@ -327,14 +328,13 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
     dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    v_gemm = v if n_chunks == 1 else padded_vocab(v)  # (rows of gemm_weight's weight)
-    dw32 = (torch.zeros((v_gemm, h), dtype=torch.float32, device=dev)
+    # (padded rows: several chunks run the GEMMs on the padded weight, gemm_weight)
+    dw32 = (torch.zeros((padded_vocab(v), h), dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = torch.zeros((1, v_gemm), dtype=torch.float32, device=dev) if need_db else None
+    db32 = torch.zeros((1, padded_vocab(v)), dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
-                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32,
-                      *gemm_weight(p.weight, n_chunks))
+                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
     elif dw is not None:
         dw.zero_()
     if dw32 is not None:
