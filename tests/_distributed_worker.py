@@ -34,7 +34,7 @@ from torch import nn  # noqa: E402
 
 import fused_ce  # noqa: E402
 from fused_ce import distributed as fdist  # noqa: E402
-from tests.oracle import cross_entropy64, logits64, rel_err  # noqa: E402
+from tests.oracle import cross_entropy64, logits64, near_oracle, rel_err  # noqa: E402
 
 WORLD = 4
 G2, G3, G4 = "g2", "g3", "g4"  # ranks 0-1 / ranks 0-2 / all four
@@ -55,14 +55,10 @@ def expect(cond, msg):
 
 
 def expect_near_oracle(name, got, want, eager, tol):
-    """The criterion of tests/oracle.py's assert_close: |got - want| <= 4 |eager - want| +
-    tol |want|, eager being PyTorch on the explicit logits in the inputs' dtype (for fp64
-    inputs eager is the oracle itself: the bound is tol alone)."""
-    diff = (got.double() - want.double()).norm().item()
-    base = (eager.double() - want.double()).norm().item()
-    scale = want.double().norm().item()
-    ok = math.isfinite(diff) and diff <= 4 * base + tol * scale
-    expect(ok, f"{name}: |got - want| = {diff:.3e} > 4 * |eager - want| ({base:.3e}) + "
+    """tests/oracle.py's near_oracle (eager: PyTorch on the explicit logits in the inputs'
+    dtype; for fp64 inputs the oracle itself, so the bound is tol alone)."""
+    ok, diff, base, scale = near_oracle(got, want, eager, tol, atol=0.0)
+    expect(ok and math.isfinite(diff), f"{name}: |got - want| = {diff:.3e} > 4 * |eager - want| ({base:.3e}) + "
                f"{tol:.1e} * |want| ({scale:.3e})")
 
 
