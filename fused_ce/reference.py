@@ -277,5 +277,6 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)
         _, z, _ = ch.logits(rows)
-        out[start:start + rows.numel()] = z.sub_(torch.logsumexp(z, 1, keepdim=True))
+        _, m, s = _shifted_lse(z)  # (z - m) - s: the digits an fp32 lse = m + s would drop
+        out[start:start + rows.numel()] = z.sub_(m[:, None]).sub_(s[:, None])
     return out
