@@ -80,7 +80,7 @@ def _rel(a, b):
 
 def _check_stats(ours, ref, t, tol):
     valid = t != IGNORE
-    for name in ("lse", "target_logit", "weighted_sum", "max_logit"):
+    for name in ("lse", "target_logit", "weighted_sum", "max_logit", "nll"):
         got, exp = getattr(ours, name), getattr(ref, name)
         assert got.dtype == torch.float32 and not got.isnan().any(), name
         assert (got[~valid] == 0).all(), name
@@ -215,6 +215,30 @@ def test_argmax_ties_take_first_column(grad_path):
     exact = x.double() @ w.double().t() + b.double()
     assert torch.equal(out.argmax, exact.argmax(1))
     assert torch.equal(out.max_logit.double(), exact.max(1).values)
+
+
+def test_confident_targets_keep_their_digits(grad_path):
+    """nll = lse - z_t for targets holding nearly all the probability (nll ~1e-7): within twice
+    eager fp32's own error of the fp64 value, on both paths. (An fp32 lse minus z_t is off by
+    ~100 % here: lse's rounding at |lse| ~ 5 is ~5e-7; eager's error is ~25 %.)"""
+    from tests.oracle import near_oracle
+
+    g = _gen()
+    n, h, v = 33, 5, 3
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * 0.1
+    b = torch.tensor([-5.0, -21.0, -22.0]) + 0.3 * torch.rand(v, generator=g)
+    t = torch.zeros(n, dtype=torch.long)  # the confident class
+    t[::5] = IGNORE
+    out = kernels.forward(x, w, b, t, IGNORE, None, None, coefs=_coefs(n, g), need_dx=True)
+    valid = t != IGNORE
+    z64 = x.double() @ w.double().t() + b.double()
+    want = torch.nn.functional.cross_entropy(z64[valid], t[valid], reduction="none")
+    eager = torch.nn.functional.cross_entropy((x @ w.t() + b)[valid], t[valid], reduction="none")
+    assert want.max() < 1e-5  # the regime of the test: tiny losses
+    assert (out.nll[~valid] == 0).all()
+    _, err, eager_err, _ = near_oracle(out.nll[valid], want, eager, 0)
+    assert err <= 2 * eager_err, (err, eager_err, want.norm().item())
 
 
 @pytest.mark.parametrize("n,h,v", [(1, 70, 37), (23, 48, 101)])

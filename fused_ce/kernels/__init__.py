@@ -72,12 +72,13 @@ def _row_stats(p: Problem, with_weighted_sum: bool):
         p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
         m, s, am, zt, ws, p.N, p.V, p.H, per_split, p.softcap_arg,
         HAS_CW=p.class_weight is not None, WITH_WS=with_weighted_sum, **p.flags, **lg)
-    return combine(m, s, am, zt, ws, p.valid, p.ignore_index)
+    return combine(m, s, am, zt, ws, p.valid, p.target, p.V, p.ignore_index)
 
 
 def _empty_stats(x: Tensor, ignore_index: int):
     z = torch.zeros(0, dtype=torch.float32, device=x.device)
-    return z, z.clone(), z.clone(), z.clone(), torch.zeros(0, dtype=torch.long, device=x.device)
+    return (z, z.clone(), z.clone(), z.clone(), torch.zeros(0, dtype=torch.long, device=x.device),
+            z.clone())
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
@@ -96,7 +97,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want and row_chunks.applicable(p, low_memory):
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
                                    check_targets=check_targets)
-        return RowStats(*stats, *_cast(grads, weight))
+        return RowStats(*stats[:5], *_cast(grads, weight), stats[5])
     if check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -104,7 +105,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want:
         grads = _cast(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
                                 need_db=need_db, low_memory=low_memory), weight)
-    return RowStats(*stats, *grads)
+    return RowStats(*stats[:5], *grads, stats[5])
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,

@@ -15,9 +15,10 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
                                        output also keeps cuBLAS from reducing split-K partials
                                        in 16 bits)
-    dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
-                                       chunk writes dW directly from one product over all rows
-    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
+    dW32       += D.T @ [x_c | 1 | 0]  cuBLAS accumulating into fp32 (no bf16 drift); with a bias
+                                       the ones column makes db (D's column sums) column H of the
+                                       same product; a single chunk writes dW directly from one
+                                       product over all rows, and db by a (1 x c) GEMM, 1 @ D
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
@@ -38,6 +39,10 @@ from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
+# Columns appended to x_c for the dW product when it also yields db: a ones column and zeros up
+# to a multiple of 64 (H200: D.T [x | 1 | 0] 0.218 ms vs 0.209 for D.T x plus 0.042 for the
+# separate (1 x c) db GEMM, per 2048-row chunk at BERT's shape; NOTES.md, session 3).
+DB_COLS = 64
 
 
 @triton.jit
@@ -50,6 +55,14 @@ def _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS: tl.constexp
     if HAS_SOFTCAP:
         z = softcap * tanh(z / softcap)
     return z
+
+
+@triton.jit
+def _nll(mx, log_s, lse, zt, has_t):
+    """lse - z_t as (max - z_t) + log sum exp(z - max): when the target holds nearly all the
+    probability, log_s is tiny and lse = max + log_s has already rounded it away."""
+    finite = (mx == mx) & (mx != float("inf")) & (mx != float("-inf"))
+    return tl.where(finite & has_t, (mx - zt) + log_s, lse - zt)
 
 
 @triton.jit
@@ -70,7 +83,7 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 @triton.jit
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
                        c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
-                       lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, V, VPAD, softcap,
+                       lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, V, VPAD, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
                        WITH_WS: tl.constexpr, NEED_D: tl.constexpr, LSE_IN: tl.constexpr,
                        D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -117,12 +130,14 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         # first column attaining the row max: the smallest lane-first index among the lanes
         # whose max equals it (torch.argmax's tie rule)
         am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
-        lse = mx + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+        log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+        lse = mx + log_s
         has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
-        zt = _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, softcap,
-                              HAS_BIAS, HAS_SOFTCAP)
+        zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
+                                              softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
         tl.store(lse_ptr + row, lse)
-        tl.store(zt_ptr + row, tl.where(has_t, zt, 0.0))
+        tl.store(zt_ptr + row, zt)
+        tl.store(nll_ptr + row, _nll(mx, log_s, lse, zt, has_t))
         tl.store(ws_ptr + row, tl.sum(ws, 0))
         tl.store(max_ptr + row, mx)
         tl.store(am_ptr + row, am.to(tl.int64))
@@ -255,8 +270,8 @@ def gemm_weight(weight: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, list
     return weight, [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
 
 
-def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, lse_in,
-                  dx, dw, dw32, db32):
+def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, nll,
+                  lse_in, dx, dw, dw32, db32):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
     freed on return, before the fp32 accumulators are rounded into the gradients)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
@@ -275,6 +290,10 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
     dx32 = torch.empty((min(c, nv), h), dtype=torch.float32, device=dev) if dx is not None else None
     scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
     ones = torch.ones((1, min(c, nv)), dtype=d.dtype, device=dev) if db32 is not None else None
+    db_in_dw = dw32 is not None and dw32.shape[1] > h
+    if db_in_dw:  # [x_c | 1 | 0]: column h of the dW product is db
+        xa = torch.zeros((min(c, nv), dw32.shape[1]), dtype=p.x.dtype, device=dev)
+        xa[:, h] = 1
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
@@ -283,7 +302,7 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
             _gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
         finish_rows_kernel[(cc,)](
             z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
-            scale_t, lse, zt, ws, mx, am, v, v_pad, p.softcap_arg,
+            scale_t, lse, zt, ws, mx, am, nll, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
             D_OVER_Z=d.data_ptr() == z.data_ptr(), BLOCK_V=fin["BLOCK_V"],
@@ -296,9 +315,12 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
                 dx[c0:c0 + cc] = dx32[:cc]
             else:
                 dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
+        if db_in_dw:
+            xa[:cc, :h] = xc
         for a, b in parts if dw is not None or dw32 is not None else ():
             if dw is None:
-                _gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=True)
+                _gemm_f32(dc[:, a:b].t(), xa[:cc] if db_in_dw else xc, dw32[a:b],
+                          alpha=inv_scale, accumulate=True)
             elif dc.is_cuda and dc.dtype != torch.float32:
                 torch.addmm(dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale, out=dw[a:b])
             else:
@@ -309,7 +331,7 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None):
-    """(RowStats fields, (dx, dw, db)) in one sweep over row chunks (module doc). ``cf``: the
+    """((lse, target_logit, weighted_sum, max_logit, argmax, nll), (dx, dw, db)) in one sweep over row chunks (module doc). ``cf``: the
     per-row coefficients (gradients.row_coefs); ``d_scale``: the power of two dz is stored
     with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
     computed (None is returned for them) and the gradients use the given lse.
@@ -319,30 +341,35 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     n, v, h, dev = p.N, p.V, p.H, p.device
     nv = int(p.n_valid_host)
     if lse_in is None:
-        lse, zt, ws, mx = torch.zeros((4, n), dtype=torch.float32, device=dev).unbind()
+        lse, zt, ws, mx, nll = torch.zeros((5, n), dtype=torch.float32, device=dev).unbind()
         am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
     else:
         lse = lse_in.to(torch.float32).contiguous()
-        zt = ws = mx = am = lse  # not written (LSE_IN)
+        zt = ws = mx = am = nll = lse  # not written (LSE_IN)
     dx = torch.zeros_like(p.x) if need_dx else None
     n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
     dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    # (padded rows: several chunks run the GEMMs on the padded weight, gemm_weight)
-    dw32 = (torch.zeros((padded_vocab(v), h), dtype=torch.float32, device=dev)
+    # (padded rows: several chunks run the GEMMs on the padded weight, gemm_weight; with db,
+    # DB_COLS more columns: db is column h)
+    db_in_dw = need_db and need_dw and not dw_direct
+    dw32 = (torch.zeros((padded_vocab(v), h + (DB_COLS if db_in_dw else 0)),
+                        dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = torch.zeros((1, padded_vocab(v)), dtype=torch.float32, device=dev) if need_db else None
+    db32 = (torch.zeros((1, padded_vocab(v)), dtype=torch.float32, device=dev)
+            if need_db and not db_in_dw else None)
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
-                      ws, mx, am, lse_in is not None, dx, dw, dw32, db32)
+                      ws, mx, am, nll, lse_in is not None, dx, dw, dw32, db32)
     elif dw is not None:
         dw.zero_()
     if dw32 is not None:
-        dw = dw32[:v].to(p.weight.dtype)
+        dw = dw32[:v, :h].to(p.weight.dtype)
     db = None
-    if db32 is not None:
-        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
-    stats = None if lse_in is not None else (lse, zt, ws, mx, am)
+    if need_db:
+        db = (dw32[:v, h] if db_in_dw else db32[0, :v]).to(
+            p.bias.dtype if p.bias is not None else p.weight.dtype)
+    stats = None if lse_in is not None else (lse, zt, ws, mx, am, nll)
     return stats, (dx, dw, db)
 
 

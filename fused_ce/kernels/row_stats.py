@@ -80,14 +80,21 @@ def row_stats_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_
     tl.store(ws_ptr + out, ws, mask=row_mask)
 
 
-def combine(m, s, am, zt, ws, valid, ignore_index):
-    """Merge per-split partials (S, N) into RowStats fields; zeros on ignored rows."""
+def combine(m, s, am, zt, ws, valid, target, vocab, ignore_index):
+    """Merge per-split partials (S, N) into (lse, target_logit, weighted_sum, max_logit, argmax,
+    nll); zeros on ignored rows. nll = lse - z_t is computed as (max - z_t) + log_s: lse = max +
+    log_s rounds a tiny log_s (a target with nearly all the probability) away."""
     mx = m.max(0).values
-    lse = mx + torch.log((s * torch.exp(m - mx)).sum(0))
+    log_s = torch.log((s * torch.exp(m - mx)).sum(0))
+    lse = mx + log_s
+    zt = zt.sum(0)
+    has_t = (target >= 0) & (target < vocab)
+    nll = torch.where(torch.isfinite(mx) & has_t, (mx - zt) + log_s, lse - zt)
     # first split whose max is the row max (splits are in vocabulary order: torch's tie rule)
     first = (m == mx).to(torch.int32).argmax(0, keepdim=True)
     argmax = am.gather(0, first).squeeze(0).to(torch.long)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    return (torch.where(valid, lse, zero), torch.where(valid, zt.sum(0), zero),
+    return (torch.where(valid, lse, zero), torch.where(valid, zt, zero),
             torch.where(valid, ws.sum(0), zero), torch.where(valid, mx, zero),
-            torch.where(valid, argmax, torch.full_like(argmax, ignore_index)))
+            torch.where(valid, argmax, torch.full_like(argmax, ignore_index)),
+            torch.where(valid, nll, zero))
