@@ -117,6 +117,7 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
     assert _rel(ours.lse, ref.lse) <= 1e-6
     assert _rel(ours.weighted_sum, ref.weighted_sum) <= 1e-5
     valid = t != -100
+    assert _rel(ours.nll, ref.nll) <= 2e-6 and (ours.nll[~valid] == 0).all()
     # argmax: equal, or a near-tie of the fp64 logits
     mism = (ours.argmax != ref.argmax) & valid
     assert mism.float().mean().item() < 1e-3
