@@ -134,7 +134,8 @@ def overhead(shape, steps=20):
             step()
         torch.cuda.synchronize()
     ka = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in ka) / steps / 1e3
+    busy = sum(e.self_device_time_total for e in ka
+               if e.device_type == torch.autograd.DeviceType.CUDA) / steps / 1e3
     print(f"{shape}: GPU busy per step {busy:.3f} ms (sum of kernel times)", flush=True)
     print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
           flush=True)

@@ -15,10 +15,9 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
                                        output also keeps cuBLAS from reducing split-K partials
                                        in 16 bits)
-    dW32       += D.T @ [x_c | 1 | 0]  cuBLAS accumulating into fp32 (no bf16 drift); with a bias
-                                       the ones column makes db (D's column sums) column H of the
-                                       same product; a single chunk writes dW directly from one
-                                       product over all rows, and db by a (1 x c) GEMM, 1 @ D
+    dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
+                                       chunk writes dW directly from one product over all rows
+    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
@@ -39,10 +38,6 @@ from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
-# Columns appended to x_c for the dW product when it also yields db: a ones column and zeros up
-# to a multiple of 64 (H200: D.T [x | 1 | 0] 0.218 ms vs 0.209 for D.T x plus 0.042 for the
-# separate (1 x c) db GEMM, per 2048-row chunk at BERT's shape; NOTES.md, session 3).
-DB_COLS = 64
 
 
 @triton.jit
@@ -290,10 +285,6 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
     dx32 = torch.empty((min(c, nv), h), dtype=torch.float32, device=dev) if dx is not None else None
     scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
     ones = torch.ones((1, min(c, nv)), dtype=d.dtype, device=dev) if db32 is not None else None
-    db_in_dw = dw32 is not None and dw32.shape[1] > h
-    if db_in_dw:  # [x_c | 1 | 0]: column h of the dW product is db
-        xa = torch.zeros((min(c, nv), dw32.shape[1]), dtype=p.x.dtype, device=dev)
-        xa[:, h] = 1
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
@@ -315,18 +306,15 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
                 dx[c0:c0 + cc] = dx32[:cc]
             else:
                 dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
-        if db_in_dw:
-            xa[:cc, :h] = xc
         for a, b in parts if dw is not None or dw32 is not None else ():
             if dw is None:
-                _gemm_f32(dc[:, a:b].t(), xa[:cc] if db_in_dw else xc, dw32[a:b],
-                          alpha=inv_scale, accumulate=True)
+                _gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
             elif dc.is_cuda and dc.dtype != torch.float32:
                 torch.addmm(dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale, out=dw[a:b])
             else:
                 dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
         if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
-            _gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=True)
+            _gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=c0 > 0)
 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
@@ -346,29 +334,28 @@ def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: b
     else:
         lse = lse_in.to(torch.float32).contiguous()
         zt = ws = mx = am = nll = lse  # not written (LSE_IN)
-    dx = torch.zeros_like(p.x) if need_dx else None
+    # every row of dx is written when all are valid; else the ignored rows are zeros
+    dx = (torch.empty_like(p.x) if nv == n else torch.zeros_like(p.x)) if need_dx else None
     n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
     dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
     dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    # (padded rows: several chunks run the GEMMs on the padded weight, gemm_weight; with db,
-    # DB_COLS more columns: db is column h)
-    db_in_dw = need_db and need_dw and not dw_direct
-    dw32 = (torch.zeros((padded_vocab(v), h + (DB_COLS if db_in_dw else 0)),
-                        dtype=torch.float32, device=dev)
+    # The fp32 accumulators are written, not added to, by the first chunk: no zero fill (2 GiB
+    # at Llama-3's head). Padded rows: several chunks run the GEMMs on the padded weight.
+    dw32 = (torch.empty((padded_vocab(v), h), dtype=torch.float32, device=dev)
             if need_dw and not dw_direct else None)
-    db32 = (torch.zeros((1, padded_vocab(v)), dtype=torch.float32, device=dev)
-            if need_db and not db_in_dw else None)
+    db32 = torch.empty((1, padded_vocab(v)), dtype=torch.float32, device=dev) if need_db else None
     if nv > 0:
         _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
                       ws, mx, am, nll, lse_in is not None, dx, dw, dw32, db32)
-    elif dw is not None:
-        dw.zero_()
+    else:  # no valid row: zero gradients
+        for g in (dw, db32):
+            if g is not None:
+                g.zero_()
     if dw32 is not None:
-        dw = dw32[:v, :h].to(p.weight.dtype)
+        dw = dw32[:v].to(p.weight.dtype)
     db = None
-    if need_db:
-        db = (dw32[:v, h] if db_in_dw else db32[0, :v]).to(
-            p.bias.dtype if p.bias is not None else p.weight.dtype)
+    if db32 is not None:
+        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
     stats = None if lse_in is not None else (lse, zt, ws, mx, am, nll)
     return stats, (dx, dw, db)
 
