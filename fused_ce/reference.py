@@ -106,6 +106,15 @@ def _local_targets(target_rows: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     return torch.where(has, target_rows, torch.zeros_like(target_rows)), has
 
 
+def nll_from(finite: Tensor, m: Tensor, log_s: Tensor, lse: Tensor, target_logit: Tensor,
+             has_target: Tensor) -> Tensor:
+    """lse - z_t computed as (m - z_t) + log_s, with m the row max and log_s = logsumexp(z - m),
+    where m is finite and the target is a column of this weight: when the target holds nearly
+    all the probability log_s is tiny and lse = m + log_s has already rounded it away. Else
+    lse - z_t as it is."""
+    return torch.where(finite & has_target, (m - target_logit) + log_s, lse - target_logit)
+
+
 class _Chunker:
     """Computes the logits of row chunks and their gradients, sharing one code path between
     ``forward`` (lse from the same chunk) and ``backward`` (lse given)."""
@@ -209,7 +218,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             lse.index_copy_(0, rows, lse_c)
             zt = z.gather(1, tgt[:, None]).squeeze(1) * has_tgt
             target_logit.index_copy_(0, rows, zt)
-            nll.index_copy_(0, rows, torch.where(finite & has_tgt, (m - zt) + s, lse_c - zt))
+            nll.index_copy_(0, rows, nll_from(finite, m, s, lse_c, zt, has_tgt))
             if with_weighted_sum:
                 ws = z.sum(1) if ch.class_weight is None else z @ ch.class_weight
                 weighted_sum.index_copy_(0, rows, ws)

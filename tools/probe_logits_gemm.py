@@ -13,8 +13,9 @@ import itertools
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from probe_rowchunks import bench_ms  # (tools/ is the script's folder)
 
 
 @triton.jit
@@ -45,12 +46,6 @@ def logits_stats_kernel(a_desc, b_desc, z_desc, m_ptr, s_ptr, M, N, K, n_tiles_n
     z_desc.store([off_m, off_n], acc)
 
 
-def bench(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="2048,4096")
@@ -68,7 +63,7 @@ def main():
         x = torch.randn(c, h, device="cuda", generator=g).bfloat16()
         flops = 2 * c * h * v
         z = torch.empty(c, v, device="cuda")
-        ms = bench(lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=z))
+        ms = bench_ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=z), rep=150)
         print(f"rows {c} H {h} V {v}: cuBLAS fp32-out {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s",
               flush=True)
         ref = x.float() @ w.float().t()
@@ -88,7 +83,7 @@ def main():
                                           BM=bm, BN=bn, BK=bk, num_warps=cfg["num_warps"],
                                           num_stages=cfg["num_stages"])
             try:
-                ms = bench(run)
+                ms = bench_ms(run, rep=150)
             except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
                 print(f"  {cfg} stats={stats}: failed {type(e).__name__}: {str(e)[:120]}")
                 continue

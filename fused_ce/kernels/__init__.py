@@ -75,6 +75,13 @@ def _row_stats(p: Problem, with_weighted_sum: bool):
     return combine(m, s, am, zt, ws, p.valid, p.target, p.V, p.ignore_index)
 
 
+def _row_stats_with(stats, grads) -> RowStats:
+    """RowStats from the paths' (lse, target_logit, weighted_sum, max_logit, argmax, nll) and
+    (dx, dw, db)."""
+    lse, zt, ws, mx, am, nll = stats
+    return RowStats(lse, zt, ws, mx, am, *grads, nll)
+
+
 def _empty_stats(x: Tensor, ignore_index: int):
     z = torch.zeros(0, dtype=torch.float32, device=x.device)
     return (z, z.clone(), z.clone(), z.clone(), torch.zeros(0, dtype=torch.long, device=x.device),
@@ -97,7 +104,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want and row_chunks.applicable(p, low_memory):
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
                                    check_targets=check_targets)
-        return RowStats(*stats[:5], *_cast(grads, weight), stats[5])
+        return _row_stats_with(stats, _cast(grads, weight))
     if check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -105,7 +112,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want:
         grads = _cast(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
                                 need_db=need_db, low_memory=low_memory), weight)
-    return RowStats(*stats[:5], *grads, stats[5])
+    return _row_stats_with(stats, grads)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,

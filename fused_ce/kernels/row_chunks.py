@@ -54,9 +54,8 @@ def _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS: tl.constexp
 
 @triton.jit
 def _nll(mx, log_s, lse, zt, has_t):
-    """lse - z_t as (max - z_t) + log sum exp(z - max): when the target holds nearly all the
-    probability, log_s is tiny and lse = max + log_s has already rounded it away."""
-    finite = (mx == mx) & (mx != float("inf")) & (mx != float("-inf"))
+    """reference.nll_from for one row (NaN and +-inf maxima are not finite)."""
+    finite = tl.abs(mx) < float("inf")
     return tl.where(finite & has_t, (mx - zt) + log_s, lse - zt)
 
 
@@ -319,9 +318,9 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None):
-    """((lse, target_logit, weighted_sum, max_logit, argmax, nll), (dx, dw, db)) in one sweep over row chunks (module doc). ``cf``: the
-    per-row coefficients (gradients.row_coefs); ``d_scale``: the power of two dz is stored
-    with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
+    """((lse, target_logit, weighted_sum, max_logit, argmax, nll), (dx, dw, db)) in one sweep
+    over row chunks (module doc). ``cf``: the per-row coefficients (gradients.row_coefs);
+    ``d_scale``: the power of two dz is stored with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
     computed (None is returned for them) and the gradients use the given lse.
 
     The GEMMs run on V a multiple of 64 (``gemm_weight``): cuBLAS is 2.5-3x slower on V = 30258

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fused_ce.kernels.logits import logits_tile
+from fused_ce.reference import nll_from
 
 
 @triton.jit
@@ -82,14 +83,12 @@ def row_stats_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_
 
 def combine(m, s, am, zt, ws, valid, target, vocab, ignore_index):
     """Merge per-split partials (S, N) into (lse, target_logit, weighted_sum, max_logit, argmax,
-    nll); zeros on ignored rows. nll = lse - z_t is computed as (max - z_t) + log_s: lse = max +
-    log_s rounds a tiny log_s (a target with nearly all the probability) away."""
+    nll); zeros on ignored rows (nll: reference.nll_from)."""
     mx = m.max(0).values
     log_s = torch.log((s * torch.exp(m - mx)).sum(0))
     lse = mx + log_s
     zt = zt.sum(0)
-    has_t = (target >= 0) & (target < vocab)
-    nll = torch.where(torch.isfinite(mx) & has_t, (mx - zt) + log_s, lse - zt)
+    nll = nll_from(torch.isfinite(mx), mx, log_s, lse, zt, (target >= 0) & (target < vocab))
     # first split whose max is the row max (splits are in vocabulary order: torch's tie rule)
     first = (m == mx).to(torch.int32).argmax(0, keepdim=True)
     argmax = am.gather(0, first).squeeze(0).to(torch.long)
