@@ -11,7 +11,9 @@ bf16 inputs (loss: |a-b|/|b|; gradients: ||a-b|| / ||b||). Prints a table, write
 PNG plots (time and memory against vocabulary size and token count) to --out.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
-all-Triton vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True), fused_ce_again (fused_ce once more, after the peers: a check
+vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True),
+fused_ce_sweep_triton / fused_ce_lowmem_triton (the same two with the sweep's dX/dW products in
+Triton instead of cuBLAS), fused_ce_again (fused_ce once more, after the peers: a check
 that the order of methods does not change the numbers), fused_ce_stats (the same call with
 return_stats=True: lse, argmax and accuracy come from the same pass), eager (bf16 F.linear +
 F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
@@ -46,7 +48,9 @@ SHAPES = {
     "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
 }
-CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_sweep", "fused_ce_lowmem", "kernels", "eager", "compile", "liger", "cce",
+CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_sweep", "fused_ce_lowmem",
+              "fused_ce_sweep_triton", "fused_ce_lowmem_triton", "kernels", "eager", "compile",
+              "liger", "cce",
               "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
 MiB = 2**20
@@ -87,16 +91,20 @@ def method_fn(name, kind, x, w, b, t):
         if name == "fused_ce_stats":  # the same loss with the token statistics returned too
             return lambda: lce(x, w, t, linear_bias=b, return_stats=True).loss
         return lambda: lce(x, w, t, linear_bias=b, low_memory=low)
-    if name == "fused_ce_sweep":  # the all-Triton vocabulary sweep (the CUDA-graph path)
+    if name in ("fused_ce_sweep", "fused_ce_sweep_triton", "fused_ce_lowmem_triton"):
+        # the vocabulary sweep (the CUDA-graph path), optionally with its Triton products
         from fused_ce.kernels import config
         lce, _ = _fused_api()
+        low = name == "fused_ce_lowmem_triton"
 
         def run():
             config.ROW_CHUNKS = False
+            config.LIBRARY_PRODUCTS = name == "fused_ce_sweep"
             try:
-                return lce(x, w, t, linear_bias=b)
+                return lce(x, w, t, linear_bias=b, low_memory=low)
             finally:
                 config.ROW_CHUNKS = True
+                config.LIBRARY_PRODUCTS = True
         return run
     if name == "eager":
         if kind == "logsoftmax":

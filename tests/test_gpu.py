@@ -95,12 +95,15 @@ _CASES = [(dt, low, cap, "vocab_sweep") for dt in (torch.bfloat16, torch.float16
           for low in (False, True) for cap in (None, 30.0)]
 _CASES += [(dt, False, cap, which) for dt in (torch.bfloat16, torch.float16)
            for cap in (None, 30.0) for which in ("row_chunks", "row_chunks_multi")]
+# the sweep's Triton products (bf16 and fp32 take cuBLAS by default; fp16 always Triton)
+_CASES += [(torch.bfloat16, low, None, "vocab_sweep_triton") for low in (False, True)]
 
 
 @pytest.mark.parametrize("dtype,low_memory,softcap,which", _CASES)
 def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypatch):
-    monkeypatch.setattr(config, "ROW_CHUNKS", which != "vocab_sweep")
-    if which != "vocab_sweep":
+    monkeypatch.setattr(config, "ROW_CHUNKS", not which.startswith("vocab_sweep"))
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS", which != "vocab_sweep_triton")
+    if not which.startswith("vocab_sweep"):
         from fused_ce.kernels import row_chunks
         assert row_chunks.cublas_fp32_out_available(torch.device("cuda"))
         if which == "row_chunks_multi":  # 3000 rows of 40 KiB: 4 chunks

@@ -52,17 +52,17 @@ def parts():
     ones = torch.ones(1, c, device="cuda", dtype=torch.bfloat16)
     db2 = torch.zeros(1, ldz, device="cuda")
     rows = [
-        ("logits fp32-out, ld aligned, W as is", lambda: row_chunks._gemm_f32(xc, w.t(), z[:, :v])),
-        ("logits fp32-out, padded W copy", lambda: row_chunks._gemm_f32(xc, wp.t(), z)),
+        ("logits fp32-out, ld aligned, W as is", lambda: row_chunks.gemm_f32(xc, w.t(), z[:, :v])),
+        ("logits fp32-out, padded W copy", lambda: row_chunks.gemm_f32(xc, wp.t(), z)),
         ("logits bf16-out, padded W", lambda: torch.mm(xc, wp.t())),
-        ("dX fp32-out, D[:, :V] @ W", lambda: row_chunks._gemm_f32(dc, w, dx32)),
-        ("dX fp32-out, D[:, :Vpad] @ Wpad", lambda: row_chunks._gemm_f32(dcp, wp, dx32)),
-        ("dW32 += D[:, :V].T x", lambda: row_chunks._gemm_f32(dc.t(), xc, dw32, accumulate=True)),
-        ("dW32 += D[:, :Vpad].T x (padded)", lambda: row_chunks._gemm_f32(dcp.t(), xc, dwp32,
+        ("dX fp32-out, D[:, :V] @ W", lambda: row_chunks.gemm_f32(dc, w, dx32)),
+        ("dX fp32-out, D[:, :Vpad] @ Wpad", lambda: row_chunks.gemm_f32(dcp, wp, dx32)),
+        ("dW32 += D[:, :V].T x", lambda: row_chunks.gemm_f32(dc.t(), xc, dw32, accumulate=True)),
+        ("dW32 += D[:, :Vpad].T x (padded)", lambda: row_chunks.gemm_f32(dcp.t(), xc, dwp32,
                                                                           accumulate=True)),
         ("dW bf16 direct D.T x", lambda: torch.mm(dc.t(), xc)),
         ("db32 colsum D", lambda: dcp.sum(0, dtype=torch.float32)),
-        ("db32 ones @ D fp32-out", lambda: row_chunks._gemm_f32(ones, dcp, db2, accumulate=True)),
+        ("db32 ones @ D fp32-out", lambda: row_chunks.gemm_f32(ones, dcp, db2, accumulate=True)),
         ("pad weight copy", lambda: row_chunks.padded_weight(w)),
     ]
     for name, fn in rows:
@@ -71,7 +71,7 @@ def parts():
         print(f"  {name:<42} {ms:7.3f} ms {tf}", flush=True)
     dwa32 = torch.zeros(ldz, h + 64, device="cuda")
     xa = torch.zeros(c, h + 64, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: row_chunks._gemm_f32(dcp.t(), xa, dwa32, accumulate=True))
+    ms = bench_ms(lambda: row_chunks.gemm_f32(dcp.t(), xa, dwa32, accumulate=True))
     print(f"  {'dW32 += D.T [x | 1 | 0] (db in the GEMM)':<42} {ms:7.3f} ms", flush=True)
     finish_variants(c, v)
 

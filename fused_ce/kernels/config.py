@@ -47,6 +47,10 @@ ROW_CHUNK_BYTES = 256 * 2**20
 ROW_CHUNK_BYTES_MAX = 2**30
 ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
+# The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU
+# switch runs that branch under the interpreter (tests).
+LIBRARY_PRODUCTS = True
+LIBRARY_PRODUCTS_ON_CPU = False
 # Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
 CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
 

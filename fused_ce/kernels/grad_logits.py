@@ -7,7 +7,8 @@ With the lse known (from the statistics pass or given), each logit's gradient is
 
 The tile's logits are recomputed (logits.py, bit-identical to the forward's) and dz is stored in
 the input dtype as ``D[p - p0, j - v0]`` (compacted row position p, vocabulary column j), the A
-operand of the dX and dW products (matmul.py). Column sums of dz over the tile (fp32) go to
+operand of the dX and dW products (matmul.py); with ``D_BY_ROW`` as ``D[row(p), j - v0]`` (the
+token's own row, for the cuBLAS products of gradients.py, which take x as it is). Column sums of dz over the tile (fp32) go to
 ``db_part[row tile, j - v0]`` (row stride ldd, like D) for the bias gradient; summing them in a fixed order keeps db
 deterministic. D holds dz times a power of two (``scale_ptr``, 1 except for fp16, where it keeps
 the 1/N-sized gradients of a mean loss out of fp16's subnormal range); the products divide it out.
@@ -24,7 +25,8 @@ def grad_logits_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
                        lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-                       STORE_D: tl.constexpr, NEED_DB: tl.constexpr, UPCAST: tl.constexpr,
+                       STORE_D: tl.constexpr, D_BY_ROW: tl.constexpr, NEED_DB: tl.constexpr,
+                       UPCAST: tl.constexpr,
                        IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -66,7 +68,13 @@ def grad_logits_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
     dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
 
     if STORE_D:
-        d_ptrs = d_ptr + (offs_p - p0).to(tl.int64)[:, None] * ldd + offs_j[None, :]
-        tl.store(d_ptrs, (dz * tl.load(scale_ptr)).to(d_ptr.dtype.element_ty), mask=in_block[:, None] & in_chunk[None, :])
+        if D_BY_ROW:
+            # D's row is the token's own row (the rows never written stay as allocated: zero)
+            d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * ldd + offs_j[None, :]
+            d_mask = row_mask[:, None] & in_chunk[None, :]
+        else:
+            d_ptrs = d_ptr + (offs_p - p0).to(tl.int64)[:, None] * ldd + offs_j[None, :]
+            d_mask = in_block[:, None] & in_chunk[None, :]
+        tl.store(d_ptrs, (dz * tl.load(scale_ptr)).to(d_ptr.dtype.element_ty), mask=d_mask)
     if NEED_DB:
         tl.store(db_ptr + pid_m.to(tl.int64) * ldd + offs_j, tl.sum(dz, 0), mask=in_chunk)

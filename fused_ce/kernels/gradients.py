@@ -2,10 +2,12 @@
 
 Default mode (four GEMM-equivalents counting the statistics pass, exact fp32 accumulation):
 one sweep over vocabulary chunks of width ``vc`` with every valid row at once. Per chunk,
-``grad_logits`` writes D = dz (rows x vc, input dtype), ``dw_kernel`` finishes dW for those vocab
-rows (reduction over all valid rows in registers: rounded once, no fp32 dW buffer), and
-``dx_kernel`` adds D @ W[chunk] into an fp32 dX accumulator (rows x H) that the last chunk rounds
-into dX. Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes).
+``grad_logits`` writes D = dz (rows x vc, input dtype), dW for those vocab rows is finished
+(reduction over all valid rows in fp32: rounded once, no fp32 dW accumulator across chunks), and
+D @ W[chunk] is added into an fp32 dX accumulator (rows x H) that the last chunk rounds into dX.
+The products run in cuBLAS (bf16, fp32: ``library_products``) or in matmul.py's Triton kernels
+(fp16). Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes) + with cuBLAS
+the chunk's fp32 dW (4 vc H bytes).
 
 Memory-minimal mode (five GEMM-equivalents): dX in row blocks whose fp32 accumulator is small,
 each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
@@ -21,6 +23,7 @@ from fused_ce.kernels import config
 from fused_ce.kernels.grad_logits import grad_logits_kernel
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
 from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.row_chunks import gemm_f32
 from fused_ce.reference import GradCoefs
 
 
@@ -76,15 +79,42 @@ def _gemm_cfg(p: Problem, m: int, n: int) -> dict:
     return dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
 
 
-def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None):
-    """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows)."""
+def library_products(p: Problem) -> bool:
+    """Whether the sweeps' dX and dW products go to cuBLAS (torch.mm) instead of matmul.py's
+    Triton kernels: bf16 and fp32 inputs on CUDA (fp16 keeps the Triton products, which divide
+    out D's device-side scale without a host read). cuBLAS runs them at ~2-3x the Triton
+    kernels' rate on the H200 (NOTES.md, session 5); it needs sizes known on the host, so
+    its products span every row (a dX row block: every compacted position), ignored ones
+    included, with D zero there. config.LIBRARY_PRODUCTS switches it off;
+    LIBRARY_PRODUCTS_ON_CPU runs it under the interpreter (tests)."""
+    if not config.LIBRARY_PRODUCTS or p.x.dtype == torch.float16:
+        return False
+    if config.interpreting():
+        return config.LIBRARY_PRODUCTS_ON_CPU
+    return p.device.type == "cuda"
+
+
+def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
+           library: bool = False):
+    """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
+
+    ``library``: the products by cuBLAS. When dW is asked for (the sweep covers every row), D's
+    rows are the tokens' own rows, so dW[chunk] = D^T x and dX = D W[chunk] take x and dX as
+    they are; a dX row block keeps compacted rows and scatters its rows of dX at the end. Rows
+    no kernel writes (ignored tokens, positions past the valid count) are zero in D, so the
+    products give them exact zeros."""
     lg = p.cfg["logits"]
     chunks = list(range(0, p.V, vc))
     store_d = dx is not None or dw is not None
+    by_row = library and dw is not None
     vc_pad = _round_up(vc, 8)  # 16-byte aligned rows of D
-    d = torch.empty((rows, vc_pad) if store_d else (1, 1), dtype=p.x.dtype, device=p.device)
-    acc = (torch.empty((rows, p.H), dtype=torch.float32, device=p.device)
-           if dx is not None and len(chunks) > 1 else None)
+    d_shape = ((p.N if by_row else rows), vc_pad) if store_d else (1, 1)
+    d = (torch.zeros if library else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
+    acc_rows = p.N if by_row else rows
+    acc = (torch.empty((acc_rows, p.H), dtype=torch.float32, device=p.device)
+           if dx is not None and (library or len(chunks) > 1) else None)
+    dw32 = (torch.empty((min(vc, p.V), p.H), dtype=torch.float32, device=p.device)
+            if library and dw is not None else None)
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
     db_part = (torch.empty((m_tiles, vc_pad), dtype=torch.float32, device=p.device)
                if db is not None else None)
@@ -96,21 +126,39 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
             lse, *cf, scale, d, vc_pad, db_part if db_part is not None else d,
             p0, rows, v0, width, p.V, p.H, p.softcap_arg,
-            HAS_CW=p.class_weight is not None, STORE_D=store_d, NEED_DB=db is not None,
-            **p.flags, **lg)
-        flags = dict(UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"])
-        if dw is not None:
-            gm = _gemm_cfg(p, width, p.H)
-            dw_kernel[(triton.cdiv(width, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
-                d, vc_pad, scale, p.x, p.row_idx, p.n_valid, dw, v0, width, p.V, p.H, **flags, **gm)
-        if dx is not None:
-            last = i == len(chunks) - 1
-            gm = _gemm_cfg(p, rows, p.H)
-            dx_kernel[(triton.cdiv(rows, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
-                d, vc_pad, scale, p.weight, p.row_idx, p.n_valid, acc if acc is not None else dx, dx,
-                p0, rows, v0, width, p.V, p.H, ACC_IN=i > 0, WRITE_FINAL=last, **flags, **gm)
+            HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,
+            NEED_DB=db is not None, **p.flags, **lg)
+        if library:
+            dc = d[:, :width]
+            if dw is not None:  # one product over every row: dW rounded once
+                gemm_f32(dc.t(), p.x, dw32[:width])
+                dw[v0:v0 + width].copy_(dw32[:width])
+            if dx is not None:
+                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=i > 0)
+        else:
+            _triton_products(p, d, vc_pad, scale, p0, rows, v0, width, i == len(chunks) - 1,
+                             acc, dx, dw)
         if db is not None:
             db[v0:v0 + width] = db_part[:, :width].sum(0)
+    if library and dx is not None:
+        if by_row:
+            dx.copy_(acc)
+        else:
+            dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
+
+
+def _triton_products(p: Problem, d, ldd, scale, p0, rows, v0, width, last, acc, dx, dw):
+    flags = dict(UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"])
+    if dw is not None:
+        gm = _gemm_cfg(p, width, p.H)
+        dw_kernel[(triton.cdiv(width, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
+            d, ldd, scale, p.x, p.row_idx, p.n_valid, dw, v0, width, p.V, p.H, **flags, **gm)
+    if dx is not None:
+        gm = _gemm_cfg(p, rows, p.H)
+        dx_kernel[(triton.cdiv(rows, gm["BLOCK_M"]), triton.cdiv(p.H, gm["BLOCK_N"]))](
+            d, ldd, scale, p.weight, p.row_idx, p.n_valid, acc if acc is not None else dx, dx,
+            p0, rows, v0, width, p.V, p.H, ACC_IN=v0 > 0,
+            WRITE_FINAL=last, **flags, **gm)
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
@@ -126,10 +174,11 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     block_n = p.cfg["logits"]["BLOCK_N"]
     block_m = p.cfg["logits"]["BLOCK_M"]
     ov = config.CHUNK_OVERRIDE or {}
+    lib = library_products(p)
     if p.N > 0 and (need_dx or need_dw or need_db):
         if not low_memory:
             vc = ov.get("vc") or _fit(config.D_BYTES // elt, p.N, block_n, p.V)
-            _sweep(p, lse, cf, scale, 0, p.N, vc, dx=dx, dw=dw, db=db32)
+            _sweep(p, lse, cf, scale, 0, p.N, vc, dx=dx, dw=dw, db=db32, library=lib)
         else:
             if need_dx:
                 rb = ov.get("row_block") or _fit(config.DX_ACC_BYTES_LOW_MEMORY // 4, p.H,
@@ -137,10 +186,11 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                 rvc = ov.get("row_vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, rb, block_n,
                                                p.V)
                 for p0 in range(0, p.N, rb):
-                    _sweep(p, lse, cf, scale, p0, min(rb, p.N - p0), rvc, dx=dx)
+                    _sweep(p, lse, cf, scale, p0, min(rb, p.N - p0), rvc, dx=dx,
+                           library=lib)
             if need_dw or need_db:
                 vc = ov.get("vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, p.N, block_n, p.V)
-                _sweep(p, lse, cf, scale, 0, p.N, vc, dw=dw, db=db32)
+                _sweep(p, lse, cf, scale, 0, p.N, vc, dw=dw, db=db32, library=lib)
     elif dw is not None:
         dw.zero_()
     if db32 is not None and p.N == 0:

@@ -178,7 +178,7 @@ def cublas_fp32_out_available(device: torch.device) -> bool:
     return _PROBE[key]
 
 
-def _gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: float = 1.0,
+def gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: float = 1.0,
               accumulate: bool = False) -> torch.Tensor:
     """out (fp32) = alpha * a @ b (+ out when accumulating), products accumulated in fp32.
     CUDA 16-bit inputs: one cuBLAS call with an fp32 result. Elsewhere (fp32 inputs, the CPU
@@ -289,7 +289,7 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
         for a, b in parts:
-            _gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
+            gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
         finish_rows_kernel[(cc,)](
             z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
             scale_t, lse, zt, ws, mx, am, nll, v, v_pad, p.softcap_arg,
@@ -300,20 +300,20 @@ def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, 
         dc = d[:cc, :v_gemm]
         if dx is not None:
             for i, (a, b) in enumerate(parts):
-                _gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
+                gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
             if nv == n:
                 dx[c0:c0 + cc] = dx32[:cc]
             else:
                 dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
         for a, b in parts if dw is not None or dw32 is not None else ():
             if dw is None:
-                _gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
+                gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
             elif dc.is_cuda and dc.dtype != torch.float32:
                 torch.addmm(dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale, out=dw[a:b])
             else:
                 dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
         if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
-            _gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=c0 > 0)
+            gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=c0 > 0)
 
 
 def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
