@@ -26,14 +26,14 @@ import torch
 from torch import Tensor
 
 from fused_ce import reference
-from fused_ce._validation import check_target_values
+from fused_ce._validation import _cannot_sync, check_target_values
 from fused_ce.reference import GradCoefs, RowStats
 
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
 
 from fused_ce.kernels import config
 from fused_ce.kernels import row_chunks
-from fused_ce.kernels.gradients import grad_scale, gradients, row_coefs
+from fused_ce.kernels.gradients import grad_scale, gradients, library_products, row_coefs
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_stats import combine, row_stats_kernel
@@ -105,7 +105,11 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
                                    check_targets=check_targets)
         return _row_stats_with(stats, _cast(grads, weight))
-    if check_targets:
+    if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
+        # the target check reads the device anyway: the valid count comes with it, and the
+        # cuBLAS products then skip the ignored rows (MLM)
+        _read_counts(p, check_targets=True)
+    elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
     grads = (None, None, None)
@@ -136,20 +140,28 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
                 check_targets=False):
     cf = row_coefs(p, coefs)
-    # The one host sync of this path: cuBLAS needs the number of valid rows; the fp16 scale
-    # (1 for the other dtypes) and (check_targets) the count of out-of-range targets come with
-    # it; an error then names one.
+    d_scale = _read_counts(p, cf, check_targets=check_targets)
+    return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
+                                         lse_in=lse_in)
+
+
+def _read_counts(p: Problem, cf=None, *, check_targets: bool) -> float:
+    """The one host sync of the paths that want sizes on the host (cuBLAS products over the
+    valid rows only): sets ``p.n_valid_host`` and returns the fp16 scale of D (``cf`` given and
+    fp16 inputs; else 1). With ``check_targets`` the count of out-of-range targets comes in the
+    same read, and an error then names one."""
     read = [p.n_valid.double()]
-    if p.x.dtype == torch.float16:
+    fp16 = cf is not None and p.x.dtype == torch.float16
+    if fp16:
         read.append(grad_scale(p, cf).double())
     if check_targets:
         read.append((p.valid & ((p.target < 0) | (p.target >= p.V))).sum().double().reshape(1))
-    p.n_valid_host, *host = torch.cat(read).tolist() if len(read) > 1 else read[0].tolist()
-    d_scale = host.pop(0) if p.x.dtype == torch.float16 else 1.0
+    n_valid, *host = torch.cat(read).tolist()
+    p.n_valid_host = int(n_valid)
+    d_scale = host.pop(0) if fp16 else 1.0
     if host and host[0]:
         check_target_values(p.target, p.V, p.ignore_index)
-    return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
-                                         lse_in=lse_in)
+    return d_scale
 
 
 def _cast(grads, weight: Tensor):

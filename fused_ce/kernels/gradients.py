@@ -7,11 +7,12 @@ one sweep over vocabulary chunks of width ``vc`` with every valid row at once. P
 D @ W[chunk] is added into an fp32 dX accumulator (rows x H) that the last chunk rounds into dX.
 The products run in cuBLAS (bf16, fp32: ``library_products``) or in matmul.py's Triton kernels
 (fp16). Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes) + with cuBLAS
-the chunk's fp32 dW (4 vc H bytes).
+the chunk's fp32 dW (<= D_BYTES) and, when rows are ignored, x's valid rows gathered (2 n H).
 
 Memory-minimal mode (five GEMM-equivalents): dX in row blocks whose fp32 accumulator is small,
 each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
-for dW and db. Workspace: D (<= config.D_BYTES_LOW_MEMORY) + <= DX_ACC_BYTES_LOW_MEMORY.
+for dW and db. Workspace: D and the gathered rows (<= config.D_BYTES_LOW_MEMORY) + the dX
+block's accumulator or (cuBLAS) the chunk's fp32 dW (<= DX_ACC_BYTES_LOW_MEMORY).
 """
 
 from __future__ import annotations
@@ -85,36 +86,43 @@ def library_products(p: Problem) -> bool:
     out D's device-side scale without a host read). cuBLAS runs them at ~2-3x the Triton
     kernels' rate on the H200 (NOTES.md, session 5); it needs sizes known on the host, so
     its products span every row (a dX row block: every compacted position), ignored ones
-    included, with D zero there. config.LIBRARY_PRODUCTS switches it off;
+    included, with D zero there, unless the forward read the valid count. fp32 inputs use it
+    only at fp32 matmul precision "highest". config.LIBRARY_PRODUCTS switches it off;
     LIBRARY_PRODUCTS_ON_CPU runs it under the interpreter (tests)."""
     if not config.LIBRARY_PRODUCTS or p.x.dtype == torch.float16:
         return False
+    if p.x.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return False  # cuBLAS would use TF32 (allow_tf32 / "high"): the kernels stay exact
     if config.interpreting():
         return config.LIBRARY_PRODUCTS_ON_CPU
     return p.device.type == "cuda"
 
 
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
-           library: bool = False):
+           library: bool = False, by_row: bool = False):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
 
-    ``library``: the products by cuBLAS. When dW is asked for (the sweep covers every row), D's
-    rows are the tokens' own rows, so dW[chunk] = D^T x and dX = D W[chunk] take x and dX as
-    they are; a dX row block keeps compacted rows and scatters its rows of dX at the end. Rows
-    no kernel writes (ignored tokens, positions past the valid count) are zero in D, so the
-    products give them exact zeros."""
+    ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
+    for, valid count unknown on the host) D's rows are the tokens' own rows, all N of them, so
+    dW[chunk] = D^T x and dX = D W[chunk] take x and dX as they are; otherwise D keeps the
+    compacted rows, dW's product takes x's rows gathered in that order, and dX's rows are
+    scattered at the end. Rows no kernel writes (ignored tokens, positions past the valid count)
+    are zero in D, so the products give them exact zeros."""
     lg = p.cfg["logits"]
     chunks = list(range(0, p.V, vc))
     store_d = dx is not None or dw is not None
-    by_row = library and dw is not None
     vc_pad = _round_up(vc, 8)  # 16-byte aligned rows of D
-    d_shape = ((p.N if by_row else rows), vc_pad) if store_d else (1, 1)
+    d_rows = p.N if by_row else rows
+    d_shape = (d_rows, vc_pad) if store_d else (1, 1)
     d = (torch.zeros if library else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
-    acc_rows = p.N if by_row else rows
-    acc = (torch.empty((acc_rows, p.H), dtype=torch.float32, device=p.device)
+    acc = (torch.empty((d_rows, p.H), dtype=torch.float32, device=p.device)
            if dx is not None and (library or len(chunks) > 1) else None)
-    dw32 = (torch.empty((min(vc, p.V), p.H), dtype=torch.float32, device=p.device)
-            if library and dw is not None else None)
+    in_order = by_row or (p0 == 0 and rows == p.N == p.n_valid_host)  # compacted == original
+    x_rows = None
+    dw32 = None
+    if library and dw is not None:
+        x_rows = p.x if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
+        dw32 = torch.empty((min(vc, p.V), p.H), dtype=torch.float32, device=p.device)
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
     db_part = (torch.empty((m_tiles, vc_pad), dtype=torch.float32, device=p.device)
                if db is not None else None)
@@ -131,7 +139,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         if library:
             dc = d[:, :width]
             if dw is not None:  # one product over every row: dW rounded once
-                gemm_f32(dc.t(), p.x, dw32[:width])
+                gemm_f32(dc.t(), x_rows, dw32[:width])
                 dw[v0:v0 + width].copy_(dw32[:width])
             if dx is not None:
                 gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=i > 0)
@@ -141,7 +149,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         if db is not None:
             db[v0:v0 + width] = db_part[:, :width].sum(0)
     if library and dx is not None:
-        if by_row:
+        if in_order:
             dx.copy_(acc)
         else:
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
@@ -161,40 +169,67 @@ def _triton_products(p: Problem, d, ldd, scale, p0, rows, v0, width, last, acc, 
             WRITE_FINAL=last, **flags, **gm)
 
 
+def _dw32_cap(p: Problem, library_dw: bool, budget: int) -> int:
+    """Widest vocabulary chunk: V, or with cuBLAS dW products the width whose fp32 dW chunk
+    (4 vc H bytes) fits in ``budget`` (at few rows, D's budget alone would allow vc = V)."""
+    return max(1, budget // (4 * p.H)) if library_dw else p.V
+
+
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
               need_db: bool, low_memory: bool):
-    """(dx, dw, db) in the input dtypes (None where not asked for); ignored rows get zeros."""
+    """(dx, dw, db) in the input dtypes (None where not asked for); ignored rows get zeros.
+
+    The sweeps cover the first ``p.n_valid_host`` compacted rows when the caller read that
+    count (the forward, whose target check syncs anyway), else all N positions (the kernels
+    skip the invalid ones by the device-side count; cuBLAS products span them, D zero there)."""
     lse = lse.to(torch.float32).contiguous()
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf)
     dx = torch.zeros_like(p.x) if need_dx else None
-    dw = torch.empty_like(p.weight) if need_dw else None  # dw_kernel writes every element
+    dw = torch.empty_like(p.weight) if need_dw else None  # the sweep writes every element
     db32 = torch.empty(p.V, dtype=torch.float32, device=p.device) if need_db else None
     elt = p.x.element_size()
     block_n = p.cfg["logits"]["BLOCK_N"]
     block_m = p.cfg["logits"]["BLOCK_M"]
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
-    if p.N > 0 and (need_dx or need_dw or need_db):
+    n_rows = p.N if p.n_valid_host is None else p.n_valid_host
+    by_row = lib and p.n_valid_host is None
+    if n_rows > 0 and (need_dx or need_dw or need_db):
         if not low_memory:
-            vc = ov.get("vc") or _fit(config.D_BYTES // elt, p.N, block_n, p.V)
-            _sweep(p, lse, cf, scale, 0, p.N, vc, dx=dx, dw=dw, db=db32, library=lib)
+            vc = ov.get("vc") or _fit(config.D_BYTES // elt, n_rows, block_n,
+                                      _dw32_cap(p, lib and need_dw, config.D_BYTES))
+            _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
+                   by_row=by_row and need_dw)
         else:
             if need_dx:
                 rb = ov.get("row_block") or _fit(config.DX_ACC_BYTES_LOW_MEMORY // 4, p.H,
-                                                 block_m, p.N)
+                                                 block_m, n_rows)
                 rvc = ov.get("row_vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, rb, block_n,
                                                p.V)
-                for p0 in range(0, p.N, rb):
-                    _sweep(p, lse, cf, scale, p0, min(rb, p.N - p0), rvc, dx=dx,
+                for p0 in range(0, n_rows, rb):
+                    _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
                            library=lib)
             if need_dw or need_db:
-                vc = ov.get("vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, p.N, block_n, p.V)
-                _sweep(p, lse, cf, scale, 0, p.N, vc, dw=dw, db=db32, library=lib)
-    elif dw is not None:
-        dw.zero_()
-    if db32 is not None and p.N == 0:
-        db32.zero_()
+                # D and (cuBLAS, rows gathered) x's valid rows share D's budget; when the
+                # gathered rows would take more than half of it, D spans all N rows instead
+                budget = config.D_BYTES_LOW_MEMORY
+                gathered = lib and need_dw and n_rows < p.N
+                if gathered and 2 * n_rows * p.H * elt > budget:
+                    by_row, gathered = True, False
+                if gathered:
+                    budget -= n_rows * p.H * elt
+                rows = p.N if (by_row and need_dw) else n_rows
+                vc = ov.get("vc") or _fit(budget // elt, rows, block_n,
+                                          _dw32_cap(p, lib and need_dw,
+                                                    config.DX_ACC_BYTES_LOW_MEMORY))
+                _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
+                       by_row=by_row and need_dw)
+    else:
+        if dw is not None:
+            dw.zero_()
+        if db32 is not None:
+            db32.zero_()
     db = None
     if db32 is not None:
         db = db32.to(p.bias.dtype if p.bias is not None else p.weight.dtype)

@@ -41,6 +41,7 @@ class Problem:
         self.V = weight.shape[0]
         self.device = x.device
         self.valid, self.row_idx, self.n_valid = compact_rows(self.target, ignore_index)
+        self.n_valid_host: Optional[int] = None  # set by the paths that read it (one sync)
         self.cfg = config.current(self.H)
         lg = self.cfg["logits"]
         self.flags = dict(

@@ -1,0 +1,79 @@
+"""One device call: where the host (Python) time of one fused_ce forward+backward goes.
+
+    python tools/profile_host.py [--shapes mlm,bert8k] [--methods fused_ce] [--rows 30]
+
+Methods and shapes are benchmarks/bench.py's. Per (shape, method) it prints the wall time per
+step run back to back (synchronized once at the end) and with a synchronize after every step,
+the GPU busy time per step (torch.profiler), and the Python functions with the most own time
+(cProfile over the same steps). A step whose wall time exceeds its GPU busy time is host-bound:
+the GPU waits for launches (and, after a host sync, for everything the host does next).
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench  # noqa: E402
+from profile_hf_step import busy_ms  # noqa: E402
+
+
+def wall_ms(step, iters: int, sync_each: bool) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="mlm,bert8k")
+    ap.add_argument("--methods", default="fused_ce")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    for shape in args.shapes.split(","):
+        x, w, b, t = bench.make_inputs(shape)
+        kind = bench.SHAPES[shape][5]
+        params = [p for p in (x, w, b) if p is not None]
+        for name in args.methods.split(","):
+            step = bench.forward_backward(name, kind, bench.method_fn(name, kind, x, w, b, t),
+                                          params)
+            for _ in range(5):
+                step()
+            back_to_back = wall_ms(step, args.iters, False)
+            synced = wall_ms(step, args.iters, True)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+            ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            prof_c = cProfile.Profile()
+            prof_c.enable()
+            for _ in range(args.iters):
+                step()
+            torch.cuda.synchronize()
+            prof_c.disable()
+            print(f"\n=== {shape} {name}: back-to-back {back_to_back:.3f} ms/step, synchronized "
+                  f"{synced:.3f} ms/step, GPU busy {busy_ms(ks) / 10:.3f} ms/step, "
+                  f"{len(ks) / 10:.0f} kernels/step")
+            s = io.StringIO()
+            pstats.Stats(prof_c, stream=s).sort_stats("tottime").print_stats(args.rows)
+            lines = s.getvalue().splitlines()
+            start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
+            print("\n".join(lines[start:start + args.rows + 1]))
+
+
+if __name__ == "__main__":
+    main()
