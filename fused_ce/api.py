@@ -173,13 +173,13 @@ def linear_cross_entropy(
     with_ws = label_smoothing > 0
     with ctx:
         if reduction == "none":
-            rows, lse, argmax = ops.linear_ce_rows(
+            rows, lse, argmax = ops.loss_rows(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
             loss = rows.reshape(target.shape)
         else:
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]
-            loss, lse, argmax, *_ = ops.linear_ce_sum(
+            loss, lse, argmax, *_ = ops.loss_sum(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory)
             if reduction == "mean":  # torch: 0/0 = nan when no target is valid
                 loss = loss + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)

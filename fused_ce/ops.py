@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fused_ce._dispatch import backend_for
 from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows
@@ -53,8 +54,7 @@ def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:
 
 # --------------------------------------------------------------------------- sum of row losses
 
-@torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())
-def linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                   class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
                   coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
                   softcap: Optional[float], with_weighted_sum: bool, need_dx: bool, need_dw: bool,
@@ -71,6 +71,9 @@ def linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
     grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
     return (loss, stats.lse.clone(), stats.argmax.clone(), *grads)
+
+
+linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())(_linear_ce_sum)
 
 
 @linear_ce_sum.register_fake
@@ -133,8 +136,7 @@ torch.library.register_autograd("fused_ce::linear_ce_sum", _sum_backward, setup_
 
 # --------------------------------------------------------------------------- per-row losses
 
-@torch.library.custom_op("fused_ce::linear_ce_rows", mutates_args=())
-def linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def _linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                    class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
                    coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
                    softcap: Optional[float], with_weighted_sum: bool, low_memory: bool
@@ -146,6 +148,10 @@ def linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
                                    check_targets=True)
     return (_row_loss(stats, coefs, with_weighted_sum), stats.lse.clone(),
             stats.argmax.clone())
+
+
+linear_ce_rows = torch.library.custom_op("fused_ce::linear_ce_rows",
+                                         mutates_args=())(_linear_ce_rows)
 
 
 @linear_ce_rows.register_fake
@@ -206,6 +212,42 @@ def _rows_backward(ctx, g_rows, *_):
 
 torch.library.register_autograd("fused_ce::linear_ce_rows", _rows_backward,
                                 setup_context=_rows_setup)
+
+
+# --------------------------------------------------------------------------- eager route
+
+def _eager_function(name: str, impl, setup, backward):
+    """The same op (implementation, setup_context, backward) as a torch.autograd.Function."""
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(impl), "setup_context": staticmethod(setup),
+                 "backward": staticmethod(backward)})
+
+
+_LinearCeSum = _eager_function("LinearCeSum", _linear_ce_sum, _sum_setup, _sum_backward)
+_LinearCeRows = _eager_function("LinearCeRows", _linear_ce_rows, _rows_setup, _rows_backward)
+
+
+def _plain_eager(*tensors) -> bool:
+    """Eager mode on plain tensors. There the loss ops run as autograd.Functions: a custom op's
+    Python dispatch with autograd costs ~0.4 ms of host time per call (H200, NOTES.md #23),
+    which is most of the MLM step. torch.compile, fake/functional tensors, tensor subclasses
+    and active dispatch modes (which then see one op, as under compile) get the custom ops."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
+
+
+def loss_sum(*args):
+    """``linear_ce_sum(*args)`` by the cheapest route with the same autograd semantics."""
+    if _plain_eager(*args[:5]):
+        return _LinearCeSum.apply(*args)
+    return linear_ce_sum(*args)
+
+
+def loss_rows(*args):
+    """``linear_ce_rows(*args)`` by the cheapest route with the same autograd semantics."""
+    if _plain_eager(*args[:5]):
+        return _LinearCeRows.apply(*args)
+    return linear_ce_rows(*args)
 
 
 # --------------------------------------------------------------------------- log-softmax

@@ -62,3 +62,38 @@ def test_compiled_log_softmax():
     w = torch.randn(13, 8)
     f = torch.compile(lambda a, c: fused_ce.linear_log_softmax(a, c), fullgraph=True, backend="aot_eager")
     assert rel_err(f(x, w), (x.double() @ w.double().T).log_softmax(-1)) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_eager_route_equals_custom_op(rows):
+    """Eager calls on plain tensors take the autograd.Function route (cheaper dispatch), traced
+    ones the custom op; both run the same implementation and backward: identical numbers."""
+    results = []
+    x0, w0, b0, t, coefs = _op_args(n=9, h=13, v=17)
+    g_rows = torch.randn(9)
+    for route in ("eager", "custom_op"):
+        x, w, b = (p.detach().clone().requires_grad_() for p in (x0, w0, b0))
+        if rows:
+            args = (x, w, b, t, None, *coefs, -100, 5.0, True, False)
+            out = (ops.loss_rows if route == "eager" else ops.linear_ce_rows)(*args)
+            (out[0] * g_rows).sum().backward()
+        else:
+            args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False)
+            out = (ops.loss_sum if route == "eager" else ops.linear_ce_sum)(*args)
+            (out[0] * 0.7).backward()
+        assert ("Linear" in type(out[0].grad_fn).__name__) == (route == "eager")
+        results.append([out[0].detach(), out[1], x.grad, w.grad, b.grad])
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+def test_eager_route_refuses_double_and_second_backward():
+    x, w, b, t, coefs = _op_args()
+    args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False)
+    loss = ops.loss_sum(*args)[0]
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    loss = ops.loss_sum(*args)[0]
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()

@@ -4,8 +4,8 @@
 
 Methods and shapes are benchmarks/bench.py's. Per (shape, method) it prints the wall time per
 step run back to back (synchronized once at the end) and with a synchronize after every step,
-the GPU busy time per step (torch.profiler), and the Python functions with the most own time
-(cProfile over the same steps). A step whose wall time exceeds its GPU busy time is host-bound:
+the GPU busy time per step, the torch ops and CUDA runtime calls with the most own CPU time
+(torch.profiler), and the Python functions with the most own time (cProfile). A step whose wall time exceeds its GPU busy time is host-bound:
 the GPU waits for launches (and, after a host sync, for everything the host does next).
 """
 import argparse
@@ -54,11 +54,13 @@ def main():
                 step()
             back_to_back = wall_ms(step, args.iters, False)
             synced = wall_ms(step, args.iters, True)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     step()
                 torch.cuda.synchronize()
             ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                  row_limit=args.rows)
             prof_c = cProfile.Profile()
             prof_c.enable()
             for _ in range(args.iters):
@@ -68,6 +70,8 @@ def main():
             print(f"\n=== {shape} {name}: back-to-back {back_to_back:.3f} ms/step, synchronized "
                   f"{synced:.3f} ms/step, GPU busy {busy_ms(ks) / 10:.3f} ms/step, "
                   f"{len(ks) / 10:.0f} kernels/step")
+            print("host: torch ops and CUDA runtime calls by own CPU time (10 steps)")
+            print(cpu_table)
             s = io.StringIO()
             pstats.Stats(prof_c, stream=s).sort_stats("tottime").print_stats(args.rows)
             lines = s.getvalue().splitlines()
