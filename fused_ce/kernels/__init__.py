@@ -7,8 +7,11 @@
   - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one fused sweep
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
     (row_stats.py), and the gradients follow from vocabulary sweeps (gradients.py). Valid rows
-    are compacted on the device and the kernels read their count from device memory: ignored
-    rows cost nothing and nothing waits on the host.
+    are compacted on the device and the Triton kernels read their count from device memory.
+    The sweeps' cuBLAS products (bf16, fp32) need host sizes: when the forward checks targets
+    outside graph capture, the valid count comes with that check's one read and the products
+    skip ignored rows; while a graph is captured nothing waits on the host and the products
+    span every row (zeros where ignored).
 * ``backward``: the gradients from a given lse, through the same two paths.
 * ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
   chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
