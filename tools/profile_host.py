@@ -21,8 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-import bench  # noqa: E402
 from profile_hf_step import busy_ms  # noqa: E402
+from profile_kernels import warm_steps  # noqa: E402
 
 
 def wall_ms(step, iters: int, sync_each: bool) -> float:
@@ -43,40 +43,32 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
-    for shape in args.shapes.split(","):
-        x, w, b, t = bench.make_inputs(shape)
-        kind = bench.SHAPES[shape][5]
-        params = [p for p in (x, w, b) if p is not None]
-        for name in args.methods.split(","):
-            step = bench.forward_backward(name, kind, bench.method_fn(name, kind, x, w, b, t),
-                                          params)
-            for _ in range(5):
-                step()
-            back_to_back = wall_ms(step, args.iters, False)
-            synced = wall_ms(step, args.iters, True)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    step()
-                torch.cuda.synchronize()
-            ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                  row_limit=args.rows)
-            prof_c = cProfile.Profile()
-            prof_c.enable()
-            for _ in range(args.iters):
+    for shape, name, step in warm_steps(args.shapes, args.methods, warmup=5):
+        back_to_back = wall_ms(step, args.iters, False)
+        synced = wall_ms(step, args.iters, True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
                 step()
             torch.cuda.synchronize()
-            prof_c.disable()
-            print(f"\n=== {shape} {name}: back-to-back {back_to_back:.3f} ms/step, synchronized "
-                  f"{synced:.3f} ms/step, GPU busy {busy_ms(ks) / 10:.3f} ms/step, "
-                  f"{len(ks) / 10:.0f} kernels/step")
-            print("host: torch ops and CUDA runtime calls by own CPU time (10 steps)")
-            print(cpu_table)
-            s = io.StringIO()
-            pstats.Stats(prof_c, stream=s).sort_stats("tottime").print_stats(args.rows)
-            lines = s.getvalue().splitlines()
-            start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
-            print("\n".join(lines[start:start + args.rows + 1]))
+        ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                              row_limit=args.rows)
+        prof_c = cProfile.Profile()
+        prof_c.enable()
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+        prof_c.disable()
+        print(f"\n=== {shape} {name}: back-to-back {back_to_back:.3f} ms/step, synchronized "
+              f"{synced:.3f} ms/step, GPU busy {busy_ms(ks) / 10:.3f} ms/step, "
+              f"{len(ks) / 10:.0f} kernels/step")
+        print("host: torch ops and CUDA runtime calls by own CPU time (10 steps)")
+        print(cpu_table)
+        s = io.StringIO()
+        pstats.Stats(prof_c, stream=s).sort_stats("tottime").print_stats(args.rows)
+        lines = s.getvalue().splitlines()
+        start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
+        print("\n".join(lines[start:start + args.rows + 1]))
 
 
 if __name__ == "__main__":
