@@ -114,7 +114,12 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     vc_pad = _round_up(vc, 8)  # 16-byte aligned rows of D
     d_rows = p.N if by_row else rows
     d_shape = (d_rows, vc_pad) if store_d else (1, 1)
-    d = (torch.zeros if library else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
+    # every row tile holds a valid row (valid count read on the host): the kernels write all of
+    # D's rows and db_part; else the tiles past the count exit early and D (cuBLAS reads it
+    # whole) and db_part must start at zero
+    all_written = not by_row and p.n_valid_host is not None and p0 + rows <= p.n_valid_host
+    fill = library and not all_written
+    d = (torch.zeros if fill else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
     acc = (torch.empty((d_rows, p.H), dtype=torch.float32, device=p.device)
            if dx is not None and (library or len(chunks) > 1) else None)
     in_order = by_row or (p0 == 0 and rows == p.N == p.n_valid_host)  # compacted == original
@@ -128,8 +133,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
                if db is not None else None)
     for i, v0 in enumerate(chunks):
         width = min(vc, p.V - v0)
-        if db_part is not None:
-            db_part.zero_()  # tiles past the valid rows exit without writing
+        if db_part is not None and not all_written:
+            db_part.zero_()
         grad_logits_kernel[(m_tiles, triton.cdiv(width, lg["BLOCK_N"]))](
             p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
             lse, *cf, scale, d, vc_pad, db_part if db_part is not None else d,
