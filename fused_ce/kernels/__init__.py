@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fused_ce import reference
-from fused_ce._validation import _cannot_sync, check_target_values
+from fused_ce._validation import _cannot_sync, check_target_values, out_of_range_targets
 from fused_ce.reference import GradCoefs, RowStats
 
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
@@ -158,7 +158,7 @@ def _read_counts(p: Problem, cf=None, *, check_targets: bool) -> float:
     if fp16:
         read.append(grad_scale(p, cf).double())
     if check_targets:
-        read.append((p.valid & ((p.target < 0) | (p.target >= p.V))).sum().double().reshape(1))
+        read.append(out_of_range_targets(p.target, p.V, p.valid).sum().double().reshape(1))
     n_valid, *host = torch.cat(read).tolist()
     p.n_valid_host = int(n_valid)
     d_scale = host.pop(0) if fp16 else 1.0

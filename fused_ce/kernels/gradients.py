@@ -198,14 +198,14 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     block_m = p.cfg["logits"]["BLOCK_M"]
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
-    n_rows = p.N if p.n_valid_host is None else p.n_valid_host
-    by_row = lib and p.n_valid_host is None
+    known = p.n_valid_host is not None
+    n_rows = p.n_valid_host if known else p.N
     if n_rows > 0 and (need_dx or need_dw or need_db):
         if not low_memory:
             vc = ov.get("vc") or _fit(config.D_BYTES // elt, n_rows, block_n,
                                       _dw32_cap(p, lib and need_dw, config.D_BYTES))
             _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
-                   by_row=by_row and need_dw)
+                   by_row=lib and need_dw and not known)
         else:
             if need_dx:
                 rb = ov.get("row_block") or _fit(config.DX_ACC_BYTES_LOW_MEMORY // 4, p.H,
@@ -216,20 +216,20 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                     _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
                            library=lib)
             if need_dw or need_db:
-                # D and (cuBLAS, rows gathered) x's valid rows share D's budget; when the
-                # gathered rows would take more than half of it, D spans all N rows instead
+                # cuBLAS dW products over the valid rows take x's rows gathered, which share
+                # D's budget; with the count unknown, or gathered rows over half that budget,
+                # D spans all N rows instead
                 budget = config.D_BYTES_LOW_MEMORY
-                gathered = lib and need_dw and n_rows < p.N
-                if gathered and 2 * n_rows * p.H * elt > budget:
-                    by_row, gathered = True, False
-                if gathered:
-                    budget -= n_rows * p.H * elt
-                rows = p.N if (by_row and need_dw) else n_rows
+                gather_bytes = n_rows * p.H * elt if lib and need_dw and n_rows < p.N else 0
+                by_row = lib and need_dw and (not known or 2 * gather_bytes > budget)
+                if not by_row:
+                    budget -= gather_bytes
+                rows = p.N if by_row else n_rows
                 vc = ov.get("vc") or _fit(budget // elt, rows, block_n,
                                           _dw32_cap(p, lib and need_dw,
                                                     config.DX_ACC_BYTES_LOW_MEMORY))
                 _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
-                       by_row=by_row and need_dw)
+                       by_row=by_row)
     else:
         if dw is not None:
             dw.zero_()
