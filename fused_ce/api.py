@@ -84,12 +84,11 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
     valid_f = valid.to(acc)
     w_t = valid_f if class_weight is None else class_weight.to(acc)[target.clamp(0, vocab - 1)] * valid_f
     w_sum = float(vocab) if class_weight is None else class_weight.to(acc).sum()
-    ones = torch.ones((), dtype=acc, device=target.device)
     if reduction == "mean":
         d_nll = w_t.sum()
-        d_z = valid_f.sum()
+        d_z = valid_f.sum() if z_loss else None
     else:
-        d_nll = d_z = ones
+        d_nll = d_z = torch.ones((), dtype=acc, device=target.device)
     # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway. A term that is
     # off (no smoothing, no z-loss) gets exact zeros without the arithmetic.
     a = torch.where(valid, ((1 - label_smoothing) * w_t if label_smoothing else w_t) / d_nll, 0)

@@ -82,6 +82,7 @@ class RowStats(NamedTuple):
     dw: Optional[Tensor] = None
     db: Optional[Tensor] = None
     nll: Optional[Tensor] = None
+    row_loss: Optional[Tensor] = None  # loss_i (fused_ce.ops), when the backend computed it
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -352,3 +352,27 @@ def test_row_chunk_log_softmax_logic(monkeypatch):
     ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
     assert ours.dtype == x.dtype and not ours.isnan().any()
     assert _rel(ours, ref) <= 1e-3
+
+
+def _scan_expected(t, v):
+    valid = t != IGNORE
+    row_idx = torch.argsort((~valid).to(torch.int8), stable=True)  # valid first, in order
+    bad = valid & ((t < 0) | (t >= v))
+    return row_idx, [int(valid.sum()), int(bad.sum())]
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100, 333])  # blocks of 16: several loop steps
+@pytest.mark.parametrize("ignored", [0.0, 0.4, 1.0])
+def test_scan_targets(n, ignored):
+    """targets.scan_targets: the stable partition (valid rows first, each part in order) and
+    the two counts, against torch's stable argsort, across block boundaries (interpreter
+    blocks: 16 rows, block counts summed 2 at a time)."""
+    from fused_ce.kernels.targets import scan_targets
+    g = _gen()
+    v = 37
+    t = torch.randint(-3, v + 3, (n,), generator=g)  # some out of range both ways
+    t[torch.rand(n, generator=g) < ignored] = IGNORE
+    row_idx, counts = scan_targets(t, IGNORE, v, config.current()["scan"])
+    exp_idx, exp_counts = _scan_expected(t, v)
+    assert torch.equal(row_idx, exp_idx)
+    assert counts.dtype == torch.int32 and counts.tolist() == exp_counts

@@ -170,6 +170,22 @@ def test_n_times_v_beyond_int32(path):
     assert (lp[rows].double() - exp).abs().max().item() < 0.02 + 0.004 * exp.abs().max().item()
 
 
+def test_scan_targets_many_blocks():
+    """The target scan over more blocks than one step of its block-count loop sums (2.5M rows:
+    2442 blocks of 1024), against torch's stable argsort."""
+    from fused_ce.kernels.targets import scan_targets
+    n, v = 2_500_000, 50257
+    g = torch.Generator(device="cuda")
+    g.seed()
+    t = torch.randint(-2, v + 2, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.7] = -100
+    row_idx, counts = scan_targets(t, -100, v, config.current()["scan"])
+    valid = t != -100
+    assert torch.equal(row_idx, torch.argsort((~valid).to(torch.int8), stable=True))
+    bad = valid & ((t < 0) | (t >= v))
+    assert counts.tolist() == [int(valid.sum()), int(bad.sum())]
+
+
 def test_deterministic(path):
     x, w, b, t = _inputs(2048, 1024, 8191, torch.bfloat16)
     coefs = _mean_coefs(t, 2048)

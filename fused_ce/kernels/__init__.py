@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fused_ce import reference
-from fused_ce._validation import _cannot_sync, check_target_values, out_of_range_targets
+from fused_ce._validation import _cannot_sync, check_target_values
 from fused_ce.reference import GradCoefs, RowStats
 
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
@@ -79,10 +79,9 @@ def _row_stats(p: Problem, with_weighted_sum: bool):
 
 
 def _row_stats_with(stats, grads) -> RowStats:
-    """RowStats from the paths' (lse, target_logit, weighted_sum, max_logit, argmax, nll) and
-    (dx, dw, db)."""
-    lse, zt, ws, mx, am, nll = stats
-    return RowStats(lse, zt, ws, mx, am, *grads, nll)
+    """RowStats from the paths' (lse, target_logit, weighted_sum, max_logit, argmax, nll[,
+    loss]) and (dx, dw, db)."""
+    return RowStats(*stats[:5], *grads, *stats[5:])
 
 
 def _empty_stats(x: Tensor, ignore_index: int):
@@ -111,7 +110,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
         # the target check reads the device anyway: the valid count comes with it, and the
         # cuBLAS products then skip the ignored rows (MLM)
-        _read_counts(p, check_targets=True)
+        CountRead(p, check_targets=True).wait()
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -143,28 +142,40 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
                 check_targets=False):
     cf = row_coefs(p, coefs)
-    d_scale = _read_counts(p, cf, check_targets=check_targets)
-    return row_chunks.forward_with_grads(p, cf, d_scale, with_ws, need_dx, need_dw, need_db,
-                                         lse_in=lse_in)
+    scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
+    read = CountRead(p, scale, check_targets=check_targets)
+    return row_chunks.forward_with_grads(p, cf, read, scale, with_ws, need_dx, need_dw,
+                                         need_db, lse_in=lse_in)
 
 
-def _read_counts(p: Problem, cf=None, *, check_targets: bool) -> float:
+class CountRead:
     """The one host sync of the paths that want sizes on the host (cuBLAS products over the
-    valid rows only): sets ``p.n_valid_host`` and returns the fp16 scale of D (``cf`` given and
-    fp16 inputs; else 1). With ``check_targets`` the count of out-of-range targets comes in the
-    same read, and an error then names one."""
-    read = [p.n_valid.double()]
-    fp16 = cf is not None and p.x.dtype == torch.float16
-    if fp16:
-        read.append(grad_scale(p, cf).double())
-    if check_targets:
-        read.append(out_of_range_targets(p.target, p.V, p.valid).sum().double().reshape(1))
-    n_valid, *host = torch.cat(read).tolist()
-    p.n_valid_host = int(n_valid)
-    d_scale = host.pop(0) if fp16 else 1.0
-    if host and host[0]:
-        check_target_values(p.target, p.V, p.ignore_index)
-    return d_scale
+    valid rows only): the valid count, the out-of-range count and, for fp16, D's scale. The
+    copy starts at once (into pinned memory, asynchronously) so that the caller can queue the
+    work that does not depend on it before ``wait``, which sets ``p.n_valid_host``, returns the
+    scale (1 without one) and, with ``check_targets``, raises on an out-of-range target."""
+
+    def __init__(self, p: Problem, scale: Optional[Tensor] = None, *, check_targets: bool):
+        self._p, self._check = p, check_targets
+        vals = p.counts if scale is None else torch.cat([p.counts.double(), scale.double()])
+        self._event = None
+        if vals.is_cuda:
+            self._host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            self._host.copy_(vals, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = vals
+
+    def wait(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()
+        n_valid, n_bad, *scale = self._host.tolist()
+        p = self._p
+        p.n_valid_host = int(n_valid)
+        if self._check and n_bad:
+            check_target_values(p.target, p.V, p.ignore_index)  # raises, naming one
+        return scale[0] if scale else 1.0
 
 
 def _cast(grads, weight: Tensor):

@@ -17,6 +17,8 @@ GPU = {
     # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound; 8 warps measured
     # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
     "row_finish": dict(BLOCK_V=2048, num_warps=8),
+    # targets.py: rows per program of the target scan, block counts summed per step
+    "scan": dict(BLOCK=1024, PART_BLOCK=1024),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -32,6 +34,7 @@ INTERPRETER = {
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
     "row_finish": dict(BLOCK_V=32, num_warps=1),
+    "scan": dict(BLOCK=16, PART_BLOCK=2),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

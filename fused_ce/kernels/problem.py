@@ -1,5 +1,6 @@
 """Inputs of one call, normalised once: contiguous tensors, fp32 per-row/per-column vectors, the
-compacted list of valid rows (on the device, no host sync) and the compile-time flags."""
+compacted list of valid rows with the valid and out-of-range counts (targets.py: on the device,
+no host sync) and the compile-time flags."""
 
 from __future__ import annotations
 
@@ -9,16 +10,7 @@ import torch
 from torch import Tensor
 
 from fused_ce.kernels import config
-
-
-def compact_rows(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(valid mask, row ids with the valid rows first in their original order, number of valid
-    rows as a 1-element int32 device tensor). A stable sort of the "ignored" flag: deterministic
-    and free of host synchronisation (kernels read the count from device memory)."""
-    valid = target != ignore_index
-    row_idx = torch.argsort((~valid).to(torch.int8), stable=True)
-    n_valid = valid.sum(dtype=torch.int32).reshape(1)
-    return valid, row_idx, n_valid
+from fused_ce.kernels.targets import scan_targets
 
 
 class Problem:
@@ -40,9 +32,14 @@ class Problem:
         self.N, self.H = x.shape
         self.V = weight.shape[0]
         self.device = x.device
-        self.valid, self.row_idx, self.n_valid = compact_rows(self.target, ignore_index)
-        self.n_valid_host: Optional[int] = None  # set by the paths that read it (one sync)
         self.cfg = config.current(self.H)
+        # row ids, valid rows first in their order; counts = [n_valid, n_out_of_range] (int32,
+        # on the device: kernels read n_valid from there)
+        self.row_idx, self.counts = scan_targets(self.target, ignore_index, self.V,
+                                                 self.cfg["scan"])
+        self.n_valid = self.counts[:1]
+        self.n_valid_host: Optional[int] = None  # set by the paths that read it (one sync)
+        self._valid: Optional[Tensor] = None
         lg = self.cfg["logits"]
         self.flags = dict(
             HAS_BIAS=self.bias is not None,
@@ -51,6 +48,13 @@ class Problem:
             IEEE=x.dtype == torch.float32,
             EVEN_K=self.H % lg["BLOCK_K"] == 0,
         )
+
+    @property
+    def valid(self) -> Tensor:
+        """Mask of the rows whose target is not ignore_index (made when first asked for)."""
+        if self._valid is None:
+            self._valid = self.target != self.ignore_index
+        return self._valid
 
     @property
     def bias_arg(self) -> Tensor:

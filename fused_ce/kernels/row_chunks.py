@@ -60,6 +60,20 @@ def _nll(mx, log_s, lse, zt, has_t):
 
 
 @triton.jit
+def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
+              WITH_WS: tl.constexpr):
+    """ops._row_loss for one row: prob lse - target z_t - smooth ws + lse_sq lse^2, or without
+    the weighted sum (prob = target) target nll + lse_sq lse^2."""
+    c_tgt = tl.load(c_tgt_ptr + row)
+    if WITH_WS:
+        loss = (tl.load(c_prob_ptr + row) * lse - c_tgt * zt
+                - tl.load(c_smooth_ptr + row) * ws)
+    else:
+        loss = c_tgt * nll
+    return loss + tl.load(c_lse_sq_ptr + row) * lse * lse
+
+
+@triton.jit
 def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
           HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """dz of one row's logits (module doc of grad_logits.py), 0 on columns not ``valid``."""
@@ -77,14 +91,16 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 @triton.jit
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
                        c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
-                       lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, V, VPAD, softcap,
-                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-                       WITH_WS: tl.constexpr, NEED_D: tl.constexpr, LSE_IN: tl.constexpr,
-                       D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
+                       lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
+                       softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, NEED_D: tl.constexpr,
+                       LSE_IN: tl.constexpr, HAS_SCALE: tl.constexpr, D_OVER_Z: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
     """One program per row r of the chunk (compacted position c0 + r). Z and the bias are
     readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
-    the columns [0, V). Writes the row's statistics (unless LSE_IN: then ``lse_ptr`` is read)
-    and, with NEED_D, dz * scale into D's columns [0, VPAD) (0 past V)."""
+    the columns [0, V). Writes the row's statistics and its loss (ops.py's loss_i; unless
+    LSE_IN: then ``lse_ptr`` is read) and, with NEED_D, dz * scale into D's columns [0, VPAD)
+    (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1)."""
     r = tl.program_id(0).to(tl.int64)
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
@@ -129,17 +145,21 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
         zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
                                               softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
+        nll = _nll(mx, log_s, lse, zt, has_t)
+        ws_sum = tl.sum(ws, 0)
         tl.store(lse_ptr + row, lse)
         tl.store(zt_ptr + row, zt)
-        tl.store(nll_ptr + row, _nll(mx, log_s, lse, zt, has_t))
-        tl.store(ws_ptr + row, tl.sum(ws, 0))
+        tl.store(nll_ptr + row, nll)
+        tl.store(ws_ptr + row, ws_sum)
         tl.store(max_ptr + row, mx)
         tl.store(am_ptr + row, am.to(tl.int64))
+        tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
+                                           c_prob_ptr, c_lse_sq_ptr, WITH_WS))
     if NEED_D:
         alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
         c_tgt = tl.load(c_tgt_ptr + row)
         c_smooth = tl.load(c_smooth_ptr + row)
-        scale = tl.load(scale_ptr)
+        scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
         d_row = d_ptr + r * ldd
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
@@ -249,114 +269,154 @@ def _padded_bias(bias, v_pad: int, device) -> torch.Tensor:
     return bp
 
 
-def gemm_weight(weight: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, list]:
-    """(the weight the GEMMs read, the row ranges they run on). cuBLAS wants V a multiple of
-    64. Several chunks: a zero-padded copy of W (``padded_weight``), one range of v_pad rows.
-    One chunk: no copy; W's first V64 rows (V rounded down to a multiple of 64, a view) and the
-    < 64 left in a second, small GEMM. (H200, session 3: the split saves the copy at one chunk,
-    MLM 1.47 vs 1.53 ms and 60 MiB less, but costs ~0.06 ms per chunk in its small GEMMs: BERT
-    8k, four chunks, 3.93 vs 3.68 ms.)"""
+def split_weight(weight: torch.Tensor) -> list:
+    """Row ranges of W for GEMMs without a padded copy: W's first V64 rows (V rounded down to a
+    multiple of 64, a view, fast in cuBLAS) and the < 64 left in a second, small GEMM. (H200,
+    session 3: at one chunk this saves the copy, MLM 1.47 vs 1.53 ms and 60 MiB less, but it
+    costs ~0.06 ms per chunk in the small GEMMs: BERT 8k, four chunks, 3.93 vs 3.68 ms. So
+    several chunks use the padded copy, made once per call.)"""
     v = weight.shape[0]
-    if n_chunks > 1:
-        wp = padded_weight(weight)
-        return wp, [(0, wp.shape[0])]
     v64 = v // 64 * 64
-    return weight, [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
+    return [(a, b) for a, b in ((0, v64), (v64, v)) if b > a]
 
 
-def _sweep_chunks(p: Problem, cf, d_scale, nv, c, with_ws, need_d, lse, zt, ws, mx, am, nll,
-                  lse_in, dx, dw, dw32, db32):
+class _Outputs:
+    """What forward_with_grads writes: the per-row statistics and loss (unless ``lse_in`` is
+    given), dx, and dW / db straight or through fp32 accumulators."""
+
+    def __init__(self, p: Problem, lse_in, need_dx: bool):
+        n, dev = p.N, p.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        if lse_in is None:
+            self.lse = torch.empty(n, **f32)
+            self.rest = torch.empty((5, n), **f32)
+            self.zt, self.ws, self.mx, self.nll, self.loss = self.rest.unbind()
+            self.am = torch.empty(n, dtype=torch.long, device=dev)
+        else:
+            self.lse = lse_in.to(torch.float32).contiguous()
+            self.rest = None
+            self.zt = self.ws = self.mx = self.am = self.nll = self.loss = self.lse  # not written
+        self.dx = torch.empty_like(p.x) if need_dx else None
+        self.dw = self.dw32 = self.db32 = None
+
+    def zero_ignored(self, p: Problem):
+        """The rows no kernel writes (ignored targets): zero statistics, argmax ignore_index,
+        zero dx rows."""
+        if self.rest is not None:
+            self.lse.zero_()
+            self.rest.zero_()
+            self.am.fill_(p.ignore_index)
+        if self.dx is not None:
+            self.dx.zero_()
+
+
+def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
+                  out: _Outputs):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
-    freed on return, before the fp32 accumulators are rounded into the gradients)."""
+    freed on return, before the fp32 accumulators are rounded into the gradients). Nothing is
+    launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
+    waits for it since the host read."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
-    w, parts = gemm_weight(p.weight, triton.cdiv(nv, c))
-    v_gemm = parts[-1][1]  # V, or v_pad with a padded copy (its columns past V are 0)
+    several = triton.cdiv(nv, c) > 1
+    split = split_weight(p.weight)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
-    bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
     # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a padded
     # W, or never written; the kernel reads them, aligned, and masks them out)
     z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
     # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
-    dx32 = torch.empty((min(c, nv), h), dtype=torch.float32, device=dev) if dx is not None else None
-    scale_t = torch.full((1,), d_scale, dtype=torch.float32, device=dev)
-    ones = torch.ones((1, min(c, nv)), dtype=d.dtype, device=dev) if db32 is not None else None
+    dx32 = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
+            if out.dx is not None else None)
+    w, parts = p.weight, split  # the first chunk's logits come from W itself
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
         for a, b in parts:
             gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
+        if c0 == 0:  # launched behind the first GEMM
+            if nv < n:
+                out.zero_ignored(p)
+            if several:  # the padded copy serves every product from here on
+                w = padded_weight(p.weight)
+                parts = [(0, w.shape[0])]
         finish_rows_kernel[(cc,)](
             z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
-            scale_t, lse, zt, ws, mx, am, nll, v, v_pad, p.softcap_arg,
+            scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
+            out.nll, out.loss, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
-            D_OVER_Z=d.data_ptr() == z.data_ptr(), BLOCK_V=fin["BLOCK_V"],
-            num_warps=fin["num_warps"])
+            HAS_SCALE=scale is not None, D_OVER_Z=d.data_ptr() == z.data_ptr(),
+            BLOCK_V=fin["BLOCK_V"], num_warps=fin["num_warps"])
+        v_gemm = parts[-1][1]  # V, or v_pad with the padded copy (its columns past V are 0)
         dc = d[:cc, :v_gemm]
-        if dx is not None:
+        if out.dx is not None:
             for i, (a, b) in enumerate(parts):
                 gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
             if nv == n:
-                dx[c0:c0 + cc] = dx32[:cc]
+                out.dx[c0:c0 + cc] = dx32[:cc]
             else:
-                dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(dx.dtype))
-        for a, b in parts if dw is not None or dw32 is not None else ():
-            if dw is None:
-                gemm_f32(dc[:, a:b].t(), xc, dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
+                out.dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(out.dx.dtype))
+        for a, b in parts if out.dw is not None or out.dw32 is not None else ():
+            if out.dw is None:
+                gemm_f32(dc[:, a:b].t(), xc, out.dw32[a:b], alpha=inv_scale,
+                         accumulate=c0 > 0)
             elif dc.is_cuda and dc.dtype != torch.float32:
-                torch.addmm(dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale, out=dw[a:b])
+                torch.addmm(out.dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale,
+                            out=out.dw[a:b])
             else:
-                dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
-        if db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
-            gemm_f32(ones[:, :cc], dc, db32[:, :v_gemm], alpha=inv_scale, accumulate=c0 > 0)
+                out.dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
+        if out.db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
+            gemm_f32(ones[:, :cc], dc, out.db32[:, :v_gemm], alpha=inv_scale,
+                     accumulate=c0 > 0)
 
 
-def forward_with_grads(p: Problem, cf, d_scale: float, with_ws: bool, need_dx: bool,
+def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None):
-    """((lse, target_logit, weighted_sum, max_logit, argmax, nll), (dx, dw, db)) in one sweep
-    over row chunks (module doc). ``cf``: the per-row coefficients (gradients.row_coefs);
-    ``d_scale``: the power of two dz is stored with (gradients.grad_scale), read on the host. With ``lse_in`` the statistics are not
-    computed (None is returned for them) and the gradients use the given lse.
+    """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
+    sweep over row chunks (module doc). ``cf``: the per-row coefficients (gradients.row_coefs);
+    ``read``: the started host read of the valid count (kernels.CountRead), waited for once
+    the launches that do not depend on it are queued; ``scale``: the power of two dz is stored
+    with (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1.
+    With ``lse_in`` the statistics are not computed (None is returned for them) and the
+    gradients use the given lse.
 
-    The GEMMs run on V a multiple of 64 (``gemm_weight``): cuBLAS is 2.5-3x slower on V = 30258
-    or with K = 30258 (H200, NOTES.md)."""
+    The GEMMs run on V a multiple of 64 (``split_weight`` or a padded copy): cuBLAS is 2.5-3x
+    slower on V = 30258 or with K = 30258 (H200, NOTES.md)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
-    nv = int(p.n_valid_host)
-    if lse_in is None:
-        lse, zt, ws, mx, nll = torch.zeros((5, n), dtype=torch.float32, device=dev).unbind()
-        am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
-    else:
-        lse = lse_in.to(torch.float32).contiguous()
-        zt = ws = mx = am = nll = lse  # not written (LSE_IN)
-    # every row of dx is written when all are valid; else the ignored rows are zeros
-    dx = (torch.empty_like(p.x) if nv == n else torch.zeros_like(p.x)) if need_dx else None
-    n_chunks, c = chunking(nv, padded_vocab(v) * 4, v * h * 4)
-    dw_direct = need_dw and n_chunks == 1  # one product over all rows, rounded once
-    dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev) if dw_direct else None
-    # The fp32 accumulators are written, not added to, by the first chunk: no zero fill (2 GiB
-    # at Llama-3's head). Padded rows: several chunks run the GEMMs on the padded weight.
-    dw32 = (torch.empty((padded_vocab(v), h), dtype=torch.float32, device=dev)
-            if need_dw and not dw_direct else None)
-    db32 = torch.empty((1, padded_vocab(v)), dtype=torch.float32, device=dev) if need_db else None
+    v_pad = padded_vocab(v)
+    out = _Outputs(p, lse_in, need_dx)
+    bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
+    ones = torch.ones((1, n), dtype=p.x.dtype, device=dev) if need_db else None
+    d_scale = read.wait()
+    nv = p.n_valid_host
+    n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
+    if need_dw and n_chunks == 1:  # one product over all rows, rounded once
+        out.dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev)
+    elif need_dw:
+        # written, not added to, by the first chunk: no zero fill (2 GiB at Llama-3's head);
+        # padded rows: several chunks run the GEMMs on the padded weight
+        out.dw32 = torch.empty((v_pad, h), dtype=torch.float32, device=dev)
+    if need_db:
+        out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if nv > 0:
-        _sweep_chunks(p, cf, d_scale, nv, c, with_ws, need_dx or need_dw or need_db, lse, zt,
-                      ws, mx, am, nll, lse_in is not None, dx, dw, dw32, db32)
+        _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
+                      lse_in is not None, bp, ones, out)
     else:  # no valid row: zero gradients
-        for g in (dw, db32):
+        out.zero_ignored(p)
+        for g in (out.dw, out.db32):
             if g is not None:
                 g.zero_()
-    if dw32 is not None:
-        dw = dw32[:v].to(p.weight.dtype)
+    dw = out.dw32[:v].to(p.weight.dtype) if out.dw32 is not None else out.dw
     db = None
-    if db32 is not None:
-        db = db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
-    stats = None if lse_in is not None else (lse, zt, ws, mx, am, nll)
-    return stats, (dx, dw, db)
+    if out.db32 is not None:
+        db = out.db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+    stats = (None if lse_in is not None
+             else (out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss))
+    return stats, (out.dx, dw, db)
 
 
 @triton.jit
