@@ -5,7 +5,8 @@ Importing ``fused_ce`` imports neither transformers nor lightning: the integrati
 loaded on first use.
 """
 
-from fused_ce.api import LinearCrossEntropyStats, linear_cross_entropy, linear_log_softmax
+from fused_ce.api import (LinearCrossEntropyStats, PreparedTargets, linear_cross_entropy,
+                          linear_log_softmax, prepare_targets)
 from fused_ce.modules import FusedCrossEntropy, FusedLinearLogSoftmax
 
 __version__ = "0.1.0"
@@ -19,7 +20,8 @@ _LAZY = {
 }
 
 __all__ = ["linear_cross_entropy", "linear_log_softmax", "FusedCrossEntropy",
-           "FusedLinearLogSoftmax", "LinearCrossEntropyStats", *_LAZY]
+           "FusedLinearLogSoftmax", "LinearCrossEntropyStats", "prepare_targets",
+           "PreparedTargets", *_LAZY]
 
 
 def __getattr__(name):

@@ -34,6 +34,56 @@ class LinearCrossEntropyStats(NamedTuple):
     z_loss: Optional[Tensor]
 
 
+class PreparedTargets:
+    """What ``prepare_targets`` returns: one target tensor's scan, for one later
+    ``linear_cross_entropy`` call on that same tensor (unchanged since)."""
+
+    def __init__(self, target: Tensor, vocab: int, ignore_index: int):
+        from fused_ce._dispatch import backend_for
+
+        self._source = (target.data_ptr(), tuple(target.shape), target.dtype, target.device,
+                        target._version)
+        self.vocab, self.ignore_index = vocab, ignore_index
+        self.backend = backend_for(target)
+        make = getattr(self.backend, "scan_targets", None)
+        self.scan = None if make is None else make(target.reshape(-1).long(), ignore_index, vocab)
+
+    def matches(self, target: Tensor, vocab: int, ignore_index: int) -> bool:
+        """Whether this was made for ``target`` (the same tensor, unchanged since) and these
+        options."""
+        source = (target.data_ptr(), tuple(target.shape), target.dtype, target.device,
+                  target._version)
+        return source == self._source and (vocab, ignore_index) == (self.vocab,
+                                                                    self.ignore_index)
+
+    def check(self, target: Tensor, vocab: int, ignore_index: int) -> None:
+        if not self.matches(target, vocab, ignore_index):
+            raise ValueError(
+                f"prepared_targets: expected fused_ce.prepare_targets of this call's target "
+                f"(the same tensor, unchanged since), vocab={vocab} and "
+                f"ignore_index={ignore_index}; got one made for another target or options "
+                f"(vocab={self.vocab}, ignore_index={self.ignore_index})")
+
+
+def prepare_targets(target: Tensor, vocab: int, *, ignore_index: int = -100) -> PreparedTargets:
+    """Scan ``target`` now for a later ``linear_cross_entropy(..., target,
+    prepared_targets=...)`` call with ``vocab`` classes.
+
+    The CUDA loss reads one value from the device per call (the number of valid targets, which
+    sizes its cuBLAS products, and the out-of-range check). At the end of a model's forward pass
+    that read waits until the GPU has run the whole pass, and the host's lead over the GPU is
+    lost. Prepared before the forward pass (the HF adapter does this), the value is on the host
+    by the time the loss needs it. Results are identical with or without it; elsewhere (CPU,
+    graph capture, compile) it does nothing.
+    """
+    check.check_tensor("target", target, floating=False)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab: expected an int >= 1 (the number of classes), got {vocab!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    return PreparedTargets(target, vocab, ignore_index)
+
+
 def _unpack_linear(linear_weight, linear_bias):
     if isinstance(linear_weight, nn.Linear):
         if linear_bias is not None:
@@ -114,6 +164,7 @@ def linear_cross_entropy(
     low_memory: bool = False,
     return_stats: bool = False,
     process_group=None,
+    prepared_targets: Optional[PreparedTargets] = None,
 ):
     """Cross-entropy of a linear layer's output without materializing its logits.
 
@@ -146,6 +197,8 @@ def linear_cross_entropy(
 
     Out-of-range targets raise ``ValueError``; checking them reads one bool from the device
     (asynchronous device assert while a CUDA graph is captured or torch.compile traces).
+    ``prepared_targets``: ``prepare_targets(target, V, ignore_index=...)`` made earlier, so
+    that this read does not wait (see there); the result is the same.
     """
     linear_weight, linear_bias = _unpack_linear(linear_weight, linear_bias)
     check.check_linear(input, linear_weight, linear_bias)
@@ -160,6 +213,11 @@ def linear_cross_entropy(
     check.check_loss_options(target, input, vocab, weight, reduction, ignore_index,
                              label_smoothing, z_loss, softcap)
     # (target values are checked by the op, at the backend's one host synchronization)
+    if prepared_targets is not None:
+        if not isinstance(prepared_targets, PreparedTargets):
+            raise TypeError(f"prepared_targets: expected None or fused_ce.prepare_targets(...), "
+                            f"got {type(prepared_targets).__name__}")
+        prepared_targets.check(target, vocab, ignore_index)
 
     (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
     x = x.reshape(-1, x.shape[-1])
@@ -179,7 +237,8 @@ def linear_cross_entropy(
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]
             loss, lse, argmax, *_ = ops.loss_sum(
-                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory)
+                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory,
+                scan=prepared_targets)
             if reduction == "mean":  # torch: 0/0 = nan when no target is valid
                 loss = loss + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
     if not return_stats:

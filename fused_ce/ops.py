@@ -69,13 +69,26 @@ def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
                   need_db: bool, low_memory: bool
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty."""
+    return _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
+                   coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw,
+                   need_db, low_memory)
+
+
+def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
+            coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db,
+            low_memory, scan=None):
+    """_linear_ce_sum, plus (eager route only) ``scan``: the backend's target scan made
+    earlier (``api.prepare_targets``), used when this backend made it."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
     want = need_dx or need_dw or need_db
-    stats = backend_for(x).forward(
+    backend = backend_for(x)
+    made = scan is not None and scan.scan is not None and scan.backend is backend
+    extra = {"scan": scan.scan} if made else {}
+    stats = backend.forward(
         x, weight, bias, target, ignore_index, softcap, class_weight,
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
-        low_memory=low_memory, check_targets=True)
+        low_memory=low_memory, check_targets=True, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
     grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
@@ -234,7 +247,8 @@ def _eager_function(name: str, impl, setup, backward):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-_LinearCeSum = _eager_function("LinearCeSum", _linear_ce_sum, _sum_setup, _sum_backward)
+_LinearCeSum = _eager_function("LinearCeSum", _ce_sum, _sum_setup,
+                               lambda ctx, *grads: _sum_backward(ctx, *grads) + (None,))
 _LinearCeRows = _eager_function("LinearCeRows", _linear_ce_rows, _rows_setup, _rows_backward)
 
 
@@ -247,10 +261,11 @@ def _plain_eager(*tensors) -> bool:
             and all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
 
 
-def loss_sum(*args):
-    """``linear_ce_sum(*args)`` by the cheapest route with the same autograd semantics."""
+def loss_sum(*args, scan=None):
+    """``linear_ce_sum(*args)`` by the cheapest route with the same autograd semantics;
+    ``scan`` (a ``PreparedTargets``) serves the eager route only."""
     if _plain_eager(*args[:5]):
-        return _LinearCeSum.apply(*args)
+        return _LinearCeSum.apply(*args, scan)
     return linear_ce_sum(*args)
 
 

@@ -87,7 +87,7 @@ class _Call:
 
     __slots__ = ("labels", "shift_labels", "num_items", "ignore_index", "causal", "softcap",
                  "scale", "keep_logits", "aux_label", "want_tuple", "loss", "stats",
-                 "placeholder_shape")
+                 "placeholder_shape", "target", "flat_target", "prepared")
 
     def __init__(self, **kw):
         for name in self.__slots__:
@@ -145,13 +145,7 @@ def _fused_loss(call: _Call, x: Tensor, weight: Tensor,
     """The LM loss and its statistics; per-token fields in the target's (label) layout, ``loss``
     already divided by ``num_items_in_batch`` when given (exactly the LM part of the output's
     loss)."""
-    labels = call.labels
-    if call.causal and call.shift_labels is not None:
-        target = call.shift_labels
-    elif call.causal:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
-        target = F.pad(labels, (0, 1), value=call.ignore_index)[..., 1:]
-    else:
-        target = labels
+    target = call.target
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if target.numel() != rows:
         name = "shift_labels" if call.causal and call.shift_labels is not None else "labels"
@@ -159,7 +153,10 @@ def _fused_loss(call: _Call, x: Tensor, weight: Tensor,
             f"{name}: expected one label per position of the hidden states entering the output "
             f"embedding, shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
     layout = tuple(target.shape)
-    target = target.to(x.device).reshape(-1)
+    target = call.flat_target.to(x.device)
+    prepared = call.prepared  # unless the target moved or changed since the pre-hook
+    if prepared is not None and not prepared.matches(target, weight.shape[0], call.ignore_index):
+        prepared = None
     x = x.reshape(-1, x.shape[-1])
     if call.scale is not None:  # s * (x W^T + b) == (s x) W^T + s b, exactly differentiable
         x = x * call.scale
@@ -168,7 +165,8 @@ def _fused_loss(call: _Call, x: Tensor, weight: Tensor,
     # return_stats costs no extra pass: the fused pass has the lse and argmax of every row anyway
     stats = fused_ce.linear_cross_entropy(
         x, weight, target, linear_bias=bias, reduction=reduction,
-        ignore_index=call.ignore_index, softcap=call.softcap, return_stats=True)
+        ignore_index=call.ignore_index, softcap=call.softcap, return_stats=True,
+        prepared_targets=prepared)
     loss = stats.loss
     if call.num_items is not None:  # HF fixed_cross_entropy: sum / num_items_in_batch
         n = call.num_items
@@ -176,6 +174,30 @@ def _fused_loss(call: _Call, x: Tensor, weight: Tensor,
     return stats._replace(loss=loss, lse=stats.lse.reshape(layout),
                           predicted=stats.predicted.reshape(layout),
                           correct=stats.correct.reshape(layout))
+
+
+def _loss_target(call: _Call) -> Tensor:
+    """The label of each position entering the output embedding."""
+    if call.causal and call.shift_labels is not None:
+        return call.shift_labels
+    if call.causal:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
+        return F.pad(call.labels, (0, 1), value=call.ignore_index)[..., 1:]
+    return call.labels
+
+
+def _prepare_target(call: _Call, head: nn.Linear) -> None:
+    """The loss target, and its scan started now, before the model's forward pass (so the
+    loss's one host read does not wait for the GPU to run that pass). Not for targets on
+    another device than the head's (the loss moves those) or that are not tensors."""
+    call.target = _loss_target(call)
+    call.flat_target = call.target.reshape(-1) if isinstance(call.target, Tensor) else None
+    call.prepared = None
+    weight = head.__dict__.get("_parameters", {}).get("weight")
+    if (call.flat_target is not None and weight is not None and call.flat_target.is_cuda
+            and weight.device == call.flat_target.device
+            and not call.flat_target.is_floating_point()):
+        call.prepared = fused_ce.prepare_targets(call.flat_target, head.out_features,
+                                                 ignore_index=call.ignore_index)
 
 
 def _placeholder_like(value, shape) -> bool:
@@ -230,12 +252,14 @@ class FusedLossPreHook:
         if spec.no_cache_with_labels:
             kwargs["use_cache"] = False
         softcap = _config_value(module, spec.softcap_attr)
-        head.__dict__[CALL_ATTR] = _Call(
+        call = _Call(
             labels=labels, shift_labels=shift_labels, num_items=num_items,
             ignore_index=ignore_index, causal=spec.causal,
             softcap=None if softcap is None else float(softcap), scale=_logit_scale(module, spec),
             keep_logits=spec.keep_logits == "always", aux_label=aux_label,
             want_tuple=not return_dict, loss=None, stats=None, placeholder_shape=None)
+        _prepare_target(call, head)
+        head.__dict__[CALL_ATTR] = call
         return args, kwargs
 
 

@@ -90,3 +90,24 @@ def test_log_softmax_bad_input():
         fused_ce.linear_log_softmax(torch.randn(3, 5), torch.randn(9, 6))
     with pytest.raises(TypeError, match="input is torch.float16"):
         fused_ce.linear_log_softmax(torch.randn(3, 6).half(), torch.randn(9, 6))
+
+
+def test_prepared_targets_must_be_this_calls():
+    """prepare_targets: bad arguments, another target's preparation, a target changed in place
+    since, or other options are refused, naming the argument."""
+    x, W, t = _ok()
+    with pytest.raises(ValueError, match="vocab: expected an int >= 1"):
+        fused_ce.prepare_targets(t, 0)
+    with pytest.raises(TypeError, match="ignore_index: expected an int"):
+        fused_ce.prepare_targets(t, 9, ignore_index=None)
+    with pytest.raises(TypeError, match="prepared_targets: expected None or"):
+        fused_ce.linear_cross_entropy(x, W, t, prepared_targets=t)
+    prepared = fused_ce.prepare_targets(t, 9)
+    ok = fused_ce.linear_cross_entropy(x, W, t, prepared_targets=prepared)
+    assert torch.equal(ok, fused_ce.linear_cross_entropy(x, W, t))
+    for target, opts in [(t.clone(), {}), (t, {"ignore_index": 3})]:
+        with pytest.raises(ValueError, match="prepared_targets: expected fused_ce.prepare_targets"):
+            fused_ce.linear_cross_entropy(x, W, target, prepared_targets=prepared, **opts)
+    t[0] = 1  # in place: the scan no longer describes it
+    with pytest.raises(ValueError, match="prepared_targets: expected"):
+        fused_ce.linear_cross_entropy(x, W, t, prepared_targets=prepared)

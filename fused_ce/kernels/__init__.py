@@ -40,8 +40,9 @@ from fused_ce.kernels.gradients import grad_scale, gradients, library_products, 
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_stats import combine, row_stats_kernel
+from fused_ce.kernels.targets import scan_targets as _scan
 
-__all__ = ["forward", "backward", "log_softmax", "supports"]
+__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets"]
 
 
 def supports(x: Tensor) -> bool:
@@ -94,23 +95,27 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             softcap: Optional[float], class_weight: Optional[Tensor], *,
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
-            low_memory: bool = False, check_targets: bool = False) -> RowStats:
-    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given."""
+            low_memory: bool = False, check_targets: bool = False,
+            scan: Optional["TargetScan"] = None) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given.
+    ``scan``: ``scan_targets`` of this same target, made earlier (its host read has had time
+    to arrive)."""
     if _use_reference(x, weight):
         return reference.forward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                  with_weighted_sum=with_weighted_sum, coefs=coefs,
                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                                  low_memory=low_memory, check_targets=check_targets)
-    p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
+    p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight,
+                scan=None if scan is None else (scan.row_idx, scan.counts))
     want = coefs is not None and (need_dx or need_dw or need_db)
     if want and row_chunks.applicable(p, low_memory):
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
-                                   check_targets=check_targets)
+                                   check_targets=check_targets, scan=scan)
         return _row_stats_with(stats, _cast(grads, weight))
     if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
         # the target check reads the device anyway: the valid count comes with it, and the
         # cuBLAS products then skip the ignored rows (MLM)
-        CountRead(p, check_targets=True).wait()
+        (scan.read if scan is not None else CountRead(p.counts)).wait(p, check_targets=True)
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -140,24 +145,23 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 
 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
-                check_targets=False):
+                check_targets=False, scan=None):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
-    read = CountRead(p, scale, check_targets=check_targets)
-    return row_chunks.forward_with_grads(p, cf, read, scale, with_ws, need_dx, need_dw,
-                                         need_db, lse_in=lse_in)
+    read = scan.read if scan is not None and scale is None else CountRead(p.counts, scale)
+    return row_chunks.forward_with_grads(
+        p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,
+        need_dw, need_db, lse_in=lse_in)
 
 
 class CountRead:
     """The one host sync of the paths that want sizes on the host (cuBLAS products over the
-    valid rows only): the valid count, the out-of-range count and, for fp16, D's scale. The
-    copy starts at once (into pinned memory, asynchronously) so that the caller can queue the
-    work that does not depend on it before ``wait``, which sets ``p.n_valid_host``, returns the
-    scale (1 without one) and, with ``check_targets``, raises on an out-of-range target."""
+    valid rows only): the valid and out-of-range counts (Problem.counts) and, for fp16, D's
+    scale. The copy starts at once (into pinned memory, asynchronously) so that the work that
+    does not depend on it can be queued before ``wait``."""
 
-    def __init__(self, p: Problem, scale: Optional[Tensor] = None, *, check_targets: bool):
-        self._p, self._check = p, check_targets
-        vals = p.counts if scale is None else torch.cat([p.counts.double(), scale.double()])
+    def __init__(self, counts: Tensor, scale: Optional[Tensor] = None):
+        vals = counts if scale is None else torch.cat([counts.double(), scale.double()])
         self._event = None
         if vals.is_cuda:
             self._host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
@@ -167,15 +171,35 @@ class CountRead:
         else:
             self._host = vals
 
-    def wait(self) -> float:
+    def wait(self, p: Problem, *, check_targets: bool) -> float:
+        """Sets ``p.n_valid_host``, returns the scale (1 without one) and, with
+        ``check_targets``, raises on an out-of-range target (naming one)."""
         if self._event is not None:
             self._event.synchronize()
         n_valid, n_bad, *scale = self._host.tolist()
-        p = self._p
         p.n_valid_host = int(n_valid)
-        if self._check and n_bad:
-            check_target_values(p.target, p.V, p.ignore_index)  # raises, naming one
+        if check_targets and n_bad:
+            check_target_values(p.target, p.V, p.ignore_index)  # raises
         return scale[0] if scale else 1.0
+
+
+class TargetScan:
+    """``scan_targets``: the compacted rows and counts of one target vector, with their host
+    read already started."""
+
+    def __init__(self, target: Tensor, ignore_index: int, vocab: int):
+        self.row_idx, self.counts = _scan(target, ignore_index, vocab, config.current()["scan"])
+        self.read = CountRead(self.counts)
+
+
+def scan_targets(target: Tensor, ignore_index: int, vocab: int) -> Optional[TargetScan]:
+    """The target scan of a later ``forward`` (same target, ignore_index and vocabulary), made
+    now: called before a model's forward pass, the one host read of the loss then finds its
+    value arrived instead of waiting for the whole forward pass to finish on the GPU. None
+    where that read does not happen (no CUDA, graph capture, compile)."""
+    if not (target.is_cuda or config.interpreting()) or _cannot_sync():
+        return None
+    return TargetScan(target.reshape(-1).contiguous(), ignore_index, vocab)
 
 
 def _cast(grads, weight: Tensor):

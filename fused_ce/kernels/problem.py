@@ -15,7 +15,9 @@ from fused_ce.kernels.targets import scan_targets
 
 class Problem:
     def __init__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                 ignore_index: int, softcap: Optional[float], class_weight: Optional[Tensor]):
+                 ignore_index: int, softcap: Optional[float], class_weight: Optional[Tensor],
+                 scan: Optional[tuple[Tensor, Tensor]] = None):
+        """``scan``: (row_idx, counts) of this target, made earlier (kernels.scan_targets)."""
         if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(f"fused_ce.kernels: expected x (N, H) and weight (V, H), got "
                              f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -35,8 +37,8 @@ class Problem:
         self.cfg = config.current(self.H)
         # row ids, valid rows first in their order; counts = [n_valid, n_out_of_range] (int32,
         # on the device: kernels read n_valid from there)
-        self.row_idx, self.counts = scan_targets(self.target, ignore_index, self.V,
-                                                 self.cfg["scan"])
+        self.row_idx, self.counts = scan if scan is not None else scan_targets(
+            self.target, ignore_index, self.V, self.cfg["scan"])
         self.n_valid = self.counts[:1]
         self.n_valid_host: Optional[int] = None  # set by the paths that read it (one sync)
         self._valid: Optional[Tensor] = None

@@ -378,8 +378,9 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
                        need_dw: bool, need_db: bool, lse_in=None):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
     sweep over row chunks (module doc). ``cf``: the per-row coefficients (gradients.row_coefs);
-    ``read``: the started host read of the valid count (kernels.CountRead), waited for once
-    the launches that do not depend on it are queued; ``scale``: the power of two dz is stored
+    ``read``: waits for the started host read of the valid count (kernels.CountRead), sets
+    ``p.n_valid_host`` and returns D's scale; called once the launches that do not depend on it
+    are queued; ``scale``: the power of two dz is stored
     with (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1.
     With ``lse_in`` the statistics are not computed (None is returned for them) and the
     gradients use the given lse.
@@ -391,7 +392,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     out = _Outputs(p, lse_in, need_dx)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
     ones = torch.ones((1, n), dtype=p.x.dtype, device=dev) if need_db else None
-    d_scale = read.wait()
+    d_scale = read()
     nv = p.n_valid_host
     n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
     if need_dw and n_chunks == 1:  # one product over all rows, rounded once
