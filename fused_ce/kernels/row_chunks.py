@@ -4,14 +4,15 @@ rows, the softmax work in one memory-bound Triton kernel between them.
 Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
 
     Z  = x_c @ W.T                     cuBLAS, fp32 output, in rows padded to a multiple of 64
-                                       columns, on V a multiple of 64 (gemm_weight: a padded
-                                       copy of W, or with one chunk its first V64 rows and a
-                                       small GEMM for the rest)
+                                       columns, on V a multiple of 64 (split_weight: W's first
+                                       V64 rows and a small GEMM for the rest, for one chunk and
+                                       the first of several; the others use a padded copy of W)
     finish_rows_kernel                 per row: + bias (once), softcap; pass 1 folds the row into
                                        lane-wise running max / sum-exp / argmax / sum_j w_j z_j
-                                       and reduces them once; pass 2 writes dz (input dtype) over
-                                       the first half of Z's own row. With a given lse (the
-                                       backward of reduction='none') pass 1 is skipped.
+                                       and reduces them once, then writes the row's statistics
+                                       and loss; pass 2 writes dz (input dtype) over the first
+                                       half of Z's own row. With a given lse (the backward of
+                                       reduction='none') pass 1 is skipped.
     dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
                                        output also keeps cuBLAS from reducing split-K partials
                                        in 16 bits)
@@ -23,7 +24,8 @@ Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
 the fp32 dW (4 V H bytes) and the padded copy of W when V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
-gradient scale and the count of out-of-range targets), so this path is not used while a CUDA
+gradient scale and the count of out-of-range targets; the read starts asynchronously and is
+waited for after the launches that do not need it), so this path is not used while a CUDA
 graph is being captured; the vocabulary sweep (gradients.py) serves that case.
 """
 
