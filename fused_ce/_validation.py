@@ -107,11 +107,6 @@ def _cannot_sync() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def out_of_range_targets(target: Tensor, vocab: int, valid: Tensor) -> Tensor:
-    """Mask of the targets that are not ignored (``valid``) and not a class in ``[0, vocab)``."""
-    return valid & ((target < 0) | (target >= vocab))
-
-
 def check_target_values(target: Tensor, vocab: int, ignore_index: int) -> None:
     """Targets must be class indices in ``[0, vocab)`` or ``ignore_index``.
 
@@ -119,7 +114,7 @@ def check_target_values(target: Tensor, vocab: int, ignore_index: int) -> None:
     torch.compile traces, that is impossible; then the check runs asynchronously on the device
     (``torch._assert_async``), which stops the program at the next synchronization.
     """
-    bad = out_of_range_targets(target, vocab, target != ignore_index)
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if _cannot_sync():
         torch._assert_async(~bad.any(), "target: class index out of range")
         return

@@ -41,19 +41,22 @@ class PreparedTargets:
     def __init__(self, target: Tensor, vocab: int, ignore_index: int):
         from fused_ce._dispatch import backend_for
 
-        self._source = (target.data_ptr(), tuple(target.shape), target.dtype, target.device,
-                        target._version)
+        self._source = self._identity(target)
         self.vocab, self.ignore_index = vocab, ignore_index
         self.backend = backend_for(target)
         make = getattr(self.backend, "scan_targets", None)
         self.scan = None if make is None else make(target.reshape(-1).long(), ignore_index, vocab)
 
+    @staticmethod
+    def _identity(target: Tensor) -> tuple:
+        """The tensor's storage, layout and in-place version counter."""
+        return (target.data_ptr(), tuple(target.shape), target.dtype, target.device,
+                target._version)
+
     def matches(self, target: Tensor, vocab: int, ignore_index: int) -> bool:
         """Whether this was made for ``target`` (the same tensor, unchanged since) and these
         options."""
-        source = (target.data_ptr(), tuple(target.shape), target.dtype, target.device,
-                  target._version)
-        return source == self._source and (vocab, ignore_index) == (self.vocab,
+        return self._identity(target) == self._source and (vocab, ignore_index) == (self.vocab,
                                                                     self.ignore_index)
 
     def check(self, target: Tensor, vocab: int, ignore_index: int) -> None:

@@ -192,7 +192,7 @@ def _prepare_target(call: _Call, head: nn.Linear) -> None:
     call.target = _loss_target(call)
     call.flat_target = call.target.reshape(-1) if isinstance(call.target, Tensor) else None
     call.prepared = None
-    weight = head.__dict__.get("_parameters", {}).get("weight")
+    weight = head._parameters.get("weight")
     if (call.flat_target is not None and weight is not None and call.flat_target.is_cuda
             and weight.device == call.flat_target.device
             and not call.flat_target.is_floating_point()):

@@ -115,7 +115,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
         # the target check reads the device anyway: the valid count comes with it, and the
         # cuBLAS products then skip the ignored rows (MLM)
-        (scan.read if scan is not None else CountRead(p.counts)).wait(p, check_targets=True)
+        _count_read(p, scan).wait(p, check_targets=True)
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -148,10 +148,18 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
                 check_targets=False, scan=None):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
-    read = scan.read if scan is not None and scale is None else CountRead(p.counts, scale)
+    read = _count_read(p, scan, scale)
     return row_chunks.forward_with_grads(
         p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,
         need_dw, need_db, lse_in=lse_in)
+
+
+def _count_read(p: Problem, scan: Optional["TargetScan"], scale: Optional[Tensor] = None):
+    """The host read of p's counts: the one a prepared scan already started, unless D's fp16
+    scale must come with it; else started now."""
+    if scan is not None and scale is None:
+        return scan.read
+    return CountRead(p.counts, scale)
 
 
 class CountRead:
