@@ -1,0 +1,23 @@
+#!/bin/bash
+# Seventh session's device calls. STEPS picks among: finish (the finish kernels alone), ab (the
+# row-chunk path with the two-pass vs the whole-row finish kernel, same call), tests (GPU
+# tests), bench (BERT shapes with peers), large (Llama-3 / Gemma-2 shapes).
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
+B="--rep-ms 200 --warmup-ms 50"
+for step in ${STEPS:-finish ab tests}; do case $step in
+finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
+          | grep -v Warn | tee "$OUT/finish.log" ;;
+ab) timeout 300 python3 tools/probe_rowchunks.py --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} \
+      --finish 2048:8,2048:8:32768:16,2048:8,2048:8:32768:16 2>&1 | grep -v Warn | tee "$OUT/ab.log" ;;
+tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
+         | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
+bench) timeout 240 python3 benchmarks/bench.py --out "$OUT/bert" $B --shapes bert8k,mlm,bert16k \
+         --methods ${BENCH_METHODS:-fused_ce,kernels,compile,liger,floor} 2>&1 | grep -v Warn \
+         | tee "$OUT/bert.log" | tail -30 ;;
+large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes llama3,gemma2 \
+         --methods fused_ce,floor 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
+esac; done
