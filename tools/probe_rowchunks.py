@@ -77,66 +77,35 @@ def parts():
 
 
 def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
-    """The finish kernels at BERT's, Llama-3's and Gemma-2's V (one program per row):
-    finish_rows_kernel's block shapes (two passes over Z) and, where the row fits, the
-    whole-row kernel at several warp counts (Z read once). First a check that the two agree on
-    the same Z (statistics and D). (A persistent grid of 1-8 programs per SM, meant to keep Z in
-    L2 between the two passes, measured 1.0-2.2x slower in session 3 and was dropped.)"""
+    """finish_rows_kernel's block shapes at BERT's, Llama-3's and Gemma-2's V (one program per
+    row). Dropped variants: a persistent grid of 1-8 programs per SM, meant to keep Z in L2
+    between the two passes (1.0-2.2x slower, session 3); a whole-row kernel with Z read once
+    (commit 8b1ad76: 0.218 vs 0.173 ms per 2048 rows at V = 30k, session 7)."""
     n = c
     tgt = torch.randint(0, v, (n,), device="cuda")
     idx = torch.arange(n, device="cuda")
     cf = [torch.full((n,), 1.0 / n, device="cuda") for _ in range(4)]
     sc = torch.ones(1, device="cuda")
-
-    def launch(kernel, zz, dd, ldd, bp, vv, vp, st, lse_in, bv, nw):
-        kernel[(zz.shape[0],)](zz, vp, dd, ldd, bp, bp, tgt, idx, 0, *cf, sc, *st, vv, vp, 1.0,
-                               HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False,
-                               NEED_D=True, LSE_IN=lse_in, HAS_SCALE=False,
-                               D_OVER_Z=dd.data_ptr() == zz.data_ptr(), BLOCK_V=bv,
-                               num_warps=nw)
-
-    def stats(rows):
-        return [torch.empty(n, device="cuda") for _ in range(4)] + [
-            torch.empty(n, device="cuda", dtype=torch.long)] + [
-            torch.empty(n, device="cuda") for _ in range(2)]
-
+    st = [torch.empty(n, device="cuda") for _ in range(4)] + [
+        torch.empty(n, device="cuda", dtype=torch.long)] + [
+        torch.empty(n, device="cuda") for _ in range(2)]  # lse, zt, ws, max, am, nll, loss
     for vv in vocabs:
         vp = row_chunks.padded_vocab(vv)
         rows = min(c, (256 * MiB) // (vp * 4))
-        zz = torch.randn(rows, vp, device="cuda") * 3
-        zz[:, vv:] = 0
-        bp = torch.randn(vp, device="cuda")
-        bp[vv:] = 0
-        gbytes = rows * vp * 10 / 1e9  # Z read twice (fp32), D written (bf16)
-        whole_bv = triton.next_power_of_2(vp)
-        fits = vp <= row_chunks.SINGLE_PASS_MAX_V
-        if fits:  # agreement on the same Z, D in separate buffers
-            outs = []
-            for kernel, bv, nw in ((row_chunks.finish_rows_kernel, 2048, 8),
-                                   (row_chunks.finish_whole_rows_kernel, whole_bv, 16)):
-                st, dd = stats(rows), torch.empty(rows, vp, device="cuda", dtype=torch.bfloat16)
-                launch(kernel, zz, dd, vp, bp, vv, vp, st, False, bv, nw)
-                outs.append((st, dd))
-            (s0, d0), (s1, d1) = outs
-            lse_err = ((s0[0] - s1[0]).abs().max() / s0[0].abs().max()).item()
-            d_err = ((d0.float() - d1.float()).norm() / d0.float().norm()).item()
-            print(f"  agreement V={vv}: lse max rel {lse_err:.1e}, D rel {d_err:.1e}, argmax "
-                  f"equal {torch.equal(s0[4][:rows], s1[4][:rows])}", flush=True)
+        zz = torch.randn(rows, vp, device="cuda")
         dd = zz.view(torch.bfloat16)
-        st = stats(rows)
-        variants = [(row_chunks.finish_rows_kernel, bv, nw, "two-pass")
-                    for bv, nw in ((2048, 8), (4096, 16))]
-        if fits:
-            variants += [(row_chunks.finish_whole_rows_kernel, whole_bv, nw, "whole")
-                         for nw in (8, 16, 32)]
-        for kernel, bv, nw, kind in variants:
+        bp = torch.randn(vp, device="cuda")
+        gbytes = rows * vp * 10 / 1e9  # Z read twice (fp32), D written (bf16)
+        for bv, nw in ((1024, 4), (2048, 8), (4096, 16)):
             for lse_in in (False, True):
-                ms = bench_ms(lambda: launch(kernel, zz, dd, 2 * vp, bp, vv, vp, st, lse_in,
-                                             bv, nw))
-                gb = gbytes * (0.6 if lse_in or kind == "whole" else 1.0)
-                print(f"  finish V={vv:<6} rows={rows:<5} {kind:<8} BLOCK_V={bv:<5} "
-                      f"warps={nw:<2} lse_in={lse_in!s:<5} {ms:7.3f} ms {gb / ms:6.2f} TB/s",
-                      flush=True)
+                fn = lambda: row_chunks.finish_rows_kernel[(rows,)](  # noqa: E731
+                    zz, vp, dd, 2 * vp, bp, bp, tgt, idx, 0, *cf, sc, *st, vv, vp, 1.0,
+                    HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False, NEED_D=True,
+                    LSE_IN=lse_in, HAS_SCALE=False, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
+                ms = bench_ms(fn)
+                gb = gbytes * (0.6 if lse_in else 1.0)
+                print(f"  finish V={vv:<6} rows={rows:<5} BLOCK_V={bv:<5} warps={nw:<2} "
+                      f"lse_in={lse_in!s:<5} {ms:7.3f} ms {gb / ms:6.2f} TB/s", flush=True)
         del zz, dd
 
 
@@ -208,10 +177,9 @@ def whole(shapes, budgets, finishes):
             config.ROW_CHUNK_BYTES, config.ROW_CHUNK_BYTES_MAX = ((lo, hi) if budget == 0
                                                                   else (budget * MiB,) * 2)
             for fin in finishes:
-                bv, nw, wm, ww = (fin.split(":") + ["0", "16"])[:4]
+                bv, nw = fin.split(":")
                 for cfg in (config.GPU, config.GPU_WIDE):
-                    cfg["row_finish"] = dict(BLOCK_V=int(bv), num_warps=int(nw),
-                                             whole_max=int(wm), whole_warps=int(ww))
+                    cfg["row_finish"] = dict(BLOCK_V=int(bv), num_warps=int(nw))
                 fn = bench.method_fn("kernels", "ce", x, w, b, t)
                 ms = bench_ms(fn)
                 pk = bench.peak_mib(fn)
@@ -237,9 +205,7 @@ def main():
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--budgets", default="0", help="MiB of Z; 0: the library's own")
     ap.add_argument("--finish", default="2048:8",
-                    help="finish-kernel variants BLOCK_V:num_warps[:whole_max:whole_warps] "
-                         "(rows up to whole_max columns in the whole-row kernel), "
-                         "comma-separated")
+                    help="finish-kernel variants BLOCK_V:num_warps, comma-separated")
     ap.add_argument("--finish-only", action="store_true",
                     help="only the finish kernels at three vocabulary sizes")
     ap.add_argument("--cprofile", action="store_true",

@@ -15,10 +15,8 @@ GPU = {
     # machine when few rows are valid)
     "stats_programs_per_sm": 8,
     # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound; 8 warps measured
-    # fastest at V = 30k, 128k and 256k (NOTES.md, session 3). Rows up to whole_max columns
-    # can be held whole in registers by whole_warps warps (Z read once): off, measured slower
-    # (session 7: 0.218 vs 0.173 ms per 2048 rows at V = 30k)
-    "row_finish": dict(BLOCK_V=2048, num_warps=8, whole_max=0, whole_warps=16),
+    # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
+    "row_finish": dict(BLOCK_V=2048, num_warps=8),
     # targets.py: rows per program of the target scan, block counts summed per step
     "scan": dict(BLOCK=1024, PART_BLOCK=1024),
 }
@@ -35,7 +33,7 @@ INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
-    "row_finish": dict(BLOCK_V=32, num_warps=1, whole_max=64, whole_warps=1),
+    "row_finish": dict(BLOCK_V=32, num_warps=1),
     "scan": dict(BLOCK=16, PART_BLOCK=2),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.

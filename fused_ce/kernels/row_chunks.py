@@ -76,11 +76,10 @@ def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_
 
 
 @triton.jit
-def _grad(prob, z, cols, valid, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
+def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
           HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dz of one row's logits z from their probabilities exp(z - lse) (module doc of
-    grad_logits.py), 0 on columns not ``valid``."""
-    dz = alpha * prob - tl.where(cols == tgt, c_tgt, 0.0)
+    """dz of one row's logits (module doc of grad_logits.py), 0 on columns not ``valid``."""
+    dz = alpha * tl.exp(z - lse) - tl.where(cols == tgt, c_tgt, 0.0)
     if HAS_CW:
         dz -= c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0)
     else:
@@ -89,29 +88,6 @@ def _grad(prob, z, cols, valid, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
         u = z / softcap
         dz *= 1.0 - u * u
     return tl.where(valid, dz, 0.0)
-
-
-@triton.jit
-def _store_stats(row, tgt, z_row, mx, am, log_s, ws_sum, bias_ptr, softcap, c_tgt_ptr,
-                 c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
-                 nll_ptr, loss_ptr, V, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 WITH_WS: tl.constexpr):
-    """Writes one row's statistics and loss from its max, argmax, log sum_j exp(z_j - max) and
-    weighted sum (the target logit is read from Z); returns its lse."""
-    lse = mx + log_s
-    has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
-    zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
-                                          softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
-    nll = _nll(mx, log_s, lse, zt, has_t)
-    tl.store(lse_ptr + row, lse)
-    tl.store(zt_ptr + row, zt)
-    tl.store(nll_ptr + row, nll)
-    tl.store(ws_ptr + row, ws_sum)
-    tl.store(max_ptr + row, mx)
-    tl.store(am_ptr + row, am.to(tl.int64))
-    tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
-                                       c_prob_ptr, c_lse_sq_ptr, WITH_WS))
-    return lse
 
 
 @triton.jit
@@ -167,10 +143,20 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         # whose max equals it (torch.argmax's tie rule)
         am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
         log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
-        lse = _store_stats(row, tgt, z_row, mx, am, log_s, tl.sum(ws, 0), bias_ptr, softcap,
-                           c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
-                           ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, HAS_BIAS, HAS_SOFTCAP,
-                           WITH_WS)
+        lse = mx + log_s
+        has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
+        zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
+                                              softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
+        nll = _nll(mx, log_s, lse, zt, has_t)
+        ws_sum = tl.sum(ws, 0)
+        tl.store(lse_ptr + row, lse)
+        tl.store(zt_ptr + row, zt)
+        tl.store(nll_ptr + row, nll)
+        tl.store(ws_ptr + row, ws_sum)
+        tl.store(max_ptr + row, mx)
+        tl.store(am_ptr + row, am.to(tl.int64))
+        tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
+                                           c_prob_ptr, c_lse_sq_ptr, WITH_WS))
     if NEED_D:
         alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
         c_tgt = tl.load(c_tgt_ptr + row)
@@ -181,67 +167,14 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
             cols = v0 + lanes
             z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
                                  HAS_SOFTCAP)
-            dz = _grad(tl.exp(z - lse), z, cols, cols < V, alpha, tgt, c_tgt, c_smooth, cw_ptr,
-                       softcap, HAS_CW, HAS_SOFTCAP)
+            dz = _grad(z, cols, cols < V, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
+                       HAS_CW, HAS_SOFTCAP)
             if D_OVER_Z:
                 # D's bytes [2 v0, 2 v0 + 2 BLOCK_V) overlap Z's columns [v0 / 2, v0 / 2 +
                 # BLOCK_V / 2), which other warps may not have read yet in the first two
                 # blocks: every warp finishes this block's loads before anyone stores.
                 tl.debug_barrier()
             tl.store(d_row + cols, (dz * scale).to(d_ptr.dtype.element_ty), mask=cols < VPAD)
-
-
-@triton.jit
-def finish_whole_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr,
-                             c0, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
-                             lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V,
-                             VPAD, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                             HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, NEED_D: tl.constexpr,
-                             LSE_IN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                             D_OVER_Z: tl.constexpr, BLOCK_V: tl.constexpr):
-    """finish_rows_kernel (same arguments and results) with the whole row in registers
-    (BLOCK_V >= VPAD): Z is read once, not twice, and one exp per logit serves the sum and dz:
-    with e_j = exp(z_j - max), lse = max + log S for S = sum_j e_j, and exp(z_j - lse) = e_j / S."""
-    r = tl.program_id(0).to(tl.int64)
-    row = tl.load(row_idx_ptr + c0 + r)
-    tgt = tl.load(target_ptr + row)
-    z_row = z_ptr + r * ldz
-    cols = tl.arange(0, BLOCK_V)
-    valid = cols < V
-    z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS, HAS_SOFTCAP)
-    if LSE_IN:
-        lse = tl.load(lse_ptr + row)
-        prob = tl.exp(z - lse)
-    else:
-        zm = tl.where(valid, z, float("-inf"))
-        # tl.max skips NaN like the lanes of finish_rows_kernel; a NaN reaches S (and the lse)
-        mx = tl.max(zm, 0)
-        am = tl.min(tl.where(zm == mx, cols, 2147483647), 0)  # first column attaining it
-        e = tl.where(zm == float("-inf"), 0.0, tl.exp(zm - mx))
-        s = tl.sum(e, 0)
-        if WITH_WS:
-            if HAS_CW:
-                ws = tl.sum(tl.where(valid, z * tl.load(cw_ptr + cols, mask=valid, other=0.0),
-                                     0.0), 0)
-            else:
-                ws = tl.sum(tl.where(valid, z, 0.0), 0)
-        else:
-            ws = 0.0
-        lse = _store_stats(row, tgt, z_row, mx, am, tl.log(s), ws, bias_ptr, softcap,
-                           c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
-                           ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, HAS_BIAS, HAS_SOFTCAP,
-                           WITH_WS)
-        prob = e * (1.0 / s)
-    if NEED_D:
-        alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
-        dz = _grad(prob, z, cols, valid, alpha, tgt, tl.load(c_tgt_ptr + row),
-                   tl.load(c_smooth_ptr + row), cw_ptr, softcap, HAS_CW, HAS_SOFTCAP)
-        if HAS_SCALE:
-            dz *= tl.load(scale_ptr)
-        if D_OVER_Z:
-            # D's row overlaps Z's: every warp has loaded its part of Z before anyone stores
-            tl.debug_barrier()
-        tl.store(d_ptr + r * ldd + cols, dz.to(d_ptr.dtype.element_ty), mask=cols < VPAD)
 
 
 _PROBE = {}
@@ -379,14 +312,6 @@ class _Outputs:
             self.dx.zero_()
 
 
-def finish_kernel(fin: dict, v_pad: int):
-    """(kernel, BLOCK_V, warps) for rows v_pad wide: the whole row in registers up to
-    ``fin["whole_max"]`` columns, else the two-pass loop over BLOCK_V-wide blocks."""
-    if v_pad <= fin["whole_max"]:
-        return finish_whole_rows_kernel, triton.next_power_of_2(v_pad), fin["whole_warps"]
-    return finish_rows_kernel, fin["BLOCK_V"], fin["num_warps"]
-
-
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
                   out: _Outputs):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
@@ -408,7 +333,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     dx32 = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
             if out.dx is not None else None)
     w, parts = p.weight, split  # the first chunk's logits come from W itself
-    kernel, block_v, warps = finish_kernel(p.cfg["row_finish"], v_pad)
+    fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
@@ -420,14 +345,14 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
-        kernel[(cc,)](
+        finish_rows_kernel[(cc,)](
             z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
             scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
             out.nll, out.loss, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
             HAS_SCALE=scale is not None, D_OVER_Z=d.data_ptr() == z.data_ptr(),
-            BLOCK_V=block_v, num_warps=warps)
+            BLOCK_V=fin["BLOCK_V"], num_warps=fin["num_warps"])
         v_gemm = parts[-1][1]  # V, or v_pad with the padded copy (its columns past V are 0)
         dc = d[:cc, :v_gemm]
         if out.dx is not None:
