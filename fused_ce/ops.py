@@ -145,8 +145,10 @@ def _sum_backward(ctx, g_loss, *_):
     # each gradient times the fp32 scalar (computed in fp32, rounded once to its dtype)
     if _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code
         grads = [None if g is None else g * g_loss for g in grads]
-    elif any(g is not None for g in grads):  # in place, all in one launch
-        torch._foreach_mul_([g for g in grads if g is not None], g_loss)
+    else:
+        present = [g for g in grads if g is not None]
+        if present:  # in place, in one launch where the backend can
+            backend_for(present[0]).scale_grads(present, g_loss)
     return tuple(grads) + (None,) * 13
 
 

@@ -1,8 +1,8 @@
 """Chunked pure-PyTorch backend: the path on every device without a Triton kernel, and the
 numerical oracle the kernels are tested against.
 
-Backend contract (``fused_ce.kernels`` implements the same three functions for CUDA)
-==================================================================================
+Backend contract (``fused_ce.kernels`` implements the same functions for CUDA)
+=============================================================================
 
 Notation: ``x (N, H)``, ``weight (V, H)``, ``bias (V,)`` or None, ``target (N,)`` int64.
 Row ``i`` is *ignored* when ``target[i] == ignore_index``; ignored rows do no GEMM work and get
@@ -46,6 +46,8 @@ in the dtype of its input.
   earlier ``forward``; used when the upstream gradient is per row, and by the vocab-parallel path
   whose lse is global).
 * ``log_softmax(x, weight, bias)`` returns ``log_softmax(x @ W.T + b)`` in ``x``'s dtype.
+* ``scale_grads(grads, g)`` multiplies each gradient in place by the scalar ``g`` (the loss's
+  upstream gradient, in the loss's dtype), computed in ``g``'s precision and rounded once.
 """
 
 from __future__ import annotations
@@ -290,3 +292,8 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         _, m, s = _shifted_lse(z)  # (z - m) - s: the digits an fp32 lse = m + s would drop
         out[start:start + rows.numel()] = z.sub_(m[:, None]).sub_(s[:, None])
     return out
+
+
+def scale_grads(grads, g: Tensor) -> None:
+    """grad *= g in place for each of ``grads`` (g a 0-dim tensor of the loss's dtype)."""
+    torch._foreach_mul_(list(grads), g)

@@ -393,3 +393,36 @@ def test_prepared_targets_same_results(row_chunks, monkeypatch):
     with pytest.raises(ValueError, match="target: expected class indices in \\[0, 89\\)"):
         fused_ce.linear_cross_entropy(x, w, t, linear_bias=b,
                                       prepared_targets=fused_ce.prepare_targets(t, 89))
+
+
+@pytest.mark.parametrize("sizes", [(17,), (0, 16, 1), (100, 15, 33), (0,)])
+def test_scale_grads_rounds_once(sizes):
+    """kernels.scale_grads: every element times the fp32 scalar, rounded once to its dtype
+    (bitwise), for up to three tensors of mixed dtypes in one launch; sizes around the
+    16-element block of the interpreter config. (bf16 on the GPU only: the interpreter
+    truncates fp32 -> bf16 conversions instead of rounding them to nearest.)"""
+    g = _gen()
+    dtypes = [torch.float16, torch.float32, torch.float16]
+    ts = [(torch.randn(n, generator=g) * 100).to(dtypes[i % 3]) for i, n in enumerate(sizes)]
+    k = torch.rand((), generator=g) + 0.1  # fp32, not a power of two
+    want = [(t.float() * k).to(t.dtype) for t in ts]
+    kernels.scale_grads(ts, k)
+    for got, exp in zip(ts, want):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+
+
+def test_api_backward_scales_by_upstream_gradient(grad_path):
+    """The public loss times a non-unit, non-power-of-two factor: its gradients (scaled in the
+    backward by scale_grads) against the fp64 oracle of the scaled loss."""
+    import fused_ce
+    from tests.oracle import cross_entropy64
+    g = _gen()
+    x, w, b, t, _ = _inputs(37, 70, 89, torch.float16, out_of_shard=False, g=g)
+    k = float(torch.rand((), generator=g)) * 3 + 0.1
+    xs = [p.clone().requires_grad_() for p in (x, w, b)]
+    (fused_ce.linear_cross_entropy(xs[0], xs[1], t, linear_bias=xs[2]) * k).backward()
+    ref = [p.double().requires_grad_() for p in (x, w, b)]
+    (cross_entropy64(ref[0], ref[1], t, bias=ref[2]) * k).backward()
+    for ours, exp in zip(xs, ref):
+        assert ours.grad.dtype == ours.dtype
+        assert _rel(ours.grad, exp.grad) <= TOL[torch.float16]["grads"]

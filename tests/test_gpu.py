@@ -239,20 +239,22 @@ def test_nonfinite_propagates(bad, path):
     assert not torch.isfinite(out.dx[7]).all()
 
 
-def test_public_api_bf16_vs_fp32():
-    """The public loss on CUDA routes to these kernels and meets the accuracy targets."""
+@pytest.mark.parametrize("upstream", [1.0, 0.37])
+def test_public_api_bf16_vs_fp32(upstream):
+    """The public loss on CUDA routes to these kernels and meets the accuracy targets, also
+    with an upstream gradient that is not 1 (scaled in the backward, kernels/scale.py)."""
     import fused_ce
     x, w, b, t = _inputs(4096, 1024, 30522, torch.bfloat16, ignored=0.85)
     for p in (x, w, b):
         p.requires_grad_()
     loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
-    loss.backward()
+    (loss * upstream).backward()
     xf, wf, bf = (p.detach().double().requires_grad_() for p in (x, w, b))
     ref = F.cross_entropy(F.linear(xf, wf, bf), t)
-    ref.backward()
+    (ref * upstream).backward()
     assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
     xe, we, be = (p.detach().requires_grad_() for p in (x, w, b))
-    F.cross_entropy(F.linear(xe, we, be), t).backward()
+    (F.cross_entropy(F.linear(xe, we, be), t) * upstream).backward()
     for p, q, e in ((x, xf, xe), (w, wf, we), (b, bf, be)):
         assert _rel(p.grad, q.grad) <= max(GRAD_TOL, 1.25 * _rel(e.grad, q.grad))
 
@@ -264,3 +266,15 @@ def test_log_softmax_vs_fp64(dtype):
     exp = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert _rel(out, exp) <= (GRAD_TOL if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_scale_grads_rounds_once_bf16():
+    """The backward's gradient scaling (one launch, several 4096-element blocks per tensor):
+    bitwise torch's fp32 product rounded once, for bf16, fp16 and fp32 tensors."""
+    ts = [torch.randn(n, device="cuda").to(dt) * 50 for n, dt in
+          ((3 * 30522 + 1, torch.bfloat16), (4097, torch.float16), (1, torch.float32))]
+    k = torch.rand((), device="cuda") + 0.1
+    want = [(t.float() * k).to(t.dtype) for t in ts]
+    kernels.scale_grads(ts, k)
+    for got, exp in zip(ts, want):
+        assert torch.equal(got, exp)

@@ -1,7 +1,9 @@
 #!/bin/bash
-# Seventh session's device calls. STEPS picks among: finish (the finish kernels alone), ab (the
-# row-chunk path with the two-pass vs the whole-row finish kernel, same call), tests (GPU
-# tests), bench (BERT shapes with peers), large (Llama-3 / Gemma-2 shapes).
+# Seventh session's device calls. STEPS picks among: finish (the finish kernels alone), ab
+# (fused_ce and kernels, session start vs now, alternating in one call; ab_old/ is the session
+# start tree: mkdir ab_old && git archive 13ce610 | tar -x -C ab_old), db (the db product's
+# cuBLAS kernel by row count), tests (GPU tests), bench (BERT shapes with peers), large
+# (Llama-3 / Gemma-2 shapes).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,8 +13,11 @@ B="--rep-ms 200 --warmup-ms 50"
 for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
-ab) timeout 300 python3 tools/probe_rowchunks.py --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} \
-      --finish 2048:8,2048:8:32768:16,2048:8,2048:8:32768:16 2>&1 | grep -v Warn | tee "$OUT/ab.log" ;;
+ab) for v in old new old new; do d=.; [ $v = old ] && d=ab_old
+      echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
+        --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods fused_ce,kernels 2>&1 \
+        | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
+db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
 bench) timeout 240 python3 benchmarks/bench.py --out "$OUT/bert" $B --shapes bert8k,mlm,bert16k \

@@ -16,6 +16,8 @@
 * ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
   chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
   writing ``z - lse`` (log_probs.py).
+* ``scale_grads``: the backward's in-place scaling by the upstream gradient, one launch
+  (scale.py).
 
 Results are deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the
 reference (Triton's fp64 dot is not worth a kernel).
@@ -40,9 +42,10 @@ from fused_ce.kernels.gradients import grad_scale, gradients, library_products, 
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_stats import combine, row_stats_kernel
+from fused_ce.kernels.scale import scalable, scale_
 from fused_ce.kernels.targets import scan_targets as _scan
 
-__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets"]
+__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets", "scale_grads"]
 
 
 def supports(x: Tensor) -> bool:
@@ -208,6 +211,16 @@ def scan_targets(target: Tensor, ignore_index: int, vocab: int) -> Optional[Targ
     if not (target.is_cuda or config.interpreting()) or _cannot_sync():
         return None
     return TargetScan(target.reshape(-1).contiguous(), ignore_index, vocab)
+
+
+def scale_grads(grads, g: Tensor) -> None:
+    """reference.scale_grads: one Triton launch for 16-bit and fp32 gradients and an fp32 g
+    (scale.py), torch's in-place multiply otherwise (fp64)."""
+    grads = list(grads)
+    if scalable(grads, g):
+        scale_(grads, g)
+    else:
+        reference.scale_grads(grads, g)
 
 
 def _cast(grads, weight: Tensor):

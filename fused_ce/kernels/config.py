@@ -19,6 +19,8 @@ GPU = {
     "row_finish": dict(BLOCK_V=2048, num_warps=8),
     # targets.py: rows per program of the target scan, block counts summed per step
     "scan": dict(BLOCK=1024, PART_BLOCK=1024),
+    # scale.py: elements per program of the backward's in-place gradient scaling
+    "scale": dict(BLOCK=4096, num_warps=4),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -35,6 +37,7 @@ INTERPRETER = {
     "stats_splits": 3,
     "row_finish": dict(BLOCK_V=32, num_warps=1),
     "scan": dict(BLOCK=16, PART_BLOCK=2),
+    "scale": dict(BLOCK=16, num_warps=1),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20
