@@ -18,7 +18,8 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
                                        in 16 bits)
     dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
                                        chunk writes dW directly from one product over all rows
-    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums
+    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums (c rounded up
+                                       to a multiple of 8 by zero rows of D: DB_ROWS_ALIGN)
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
@@ -92,7 +93,7 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 
 @triton.jit
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
-                       c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
+                       n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
                        softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                        HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, NEED_D: tl.constexpr,
@@ -102,12 +103,20 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
     readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
     the columns [0, V). Writes the row's statistics and its loss (ops.py's loss_i; unless
     LSE_IN: then ``lse_ptr`` is read) and, with NEED_D, dz * scale into D's columns [0, VPAD)
-    (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1)."""
+    (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1). Programs r >= n_rows
+    write a zero row of D and nothing else (padding rows: see DB_ROWS_ALIGN)."""
     r = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_V)
+    d_row = d_ptr + r * ldd
+    if r >= n_rows:
+        for v0 in range(0, VPAD, BLOCK_V):
+            cols = v0 + lanes
+            tl.store(d_row + cols, tl.zeros((BLOCK_V,), d_ptr.dtype.element_ty),
+                     mask=cols < VPAD)
+        return
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
     z_row = z_ptr + r * ldz
-    lanes = tl.arange(0, BLOCK_V)
     if LSE_IN:
         lse = tl.load(lse_ptr + row)
     else:
@@ -162,7 +171,6 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         c_tgt = tl.load(c_tgt_ptr + row)
         c_smooth = tl.load(c_smooth_ptr + row)
         scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
-        d_row = d_ptr + r * ldd
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
@@ -312,6 +320,16 @@ class _Outputs:
             self.dx.zero_()
 
 
+# The db product ones(1, k) @ D reduces over k = a chunk's rows. cuBLAS runs it as a gemv at
+# 1.4 TB/s when k is not a multiple of 8 and as a GEMM at 3.1 TB/s when it is (H200, k = 2458,
+# MLM's valid rows: 109 vs 49 us; NOTES.md #31): D gets zero rows up to the next multiple.
+DB_ROWS_ALIGN = 8
+
+
+def _db_rows(rows: int) -> int:
+    return triton.cdiv(rows, DB_ROWS_ALIGN) * DB_ROWS_ALIGN
+
+
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
                   out: _Outputs):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
@@ -327,7 +345,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     xv = p.x if nv == n else p.x.index_select(0, rows)
     # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a padded
     # W, or never written; the kernel reads them, aligned, and masks them out)
-    z = torch.empty((min(c, nv), v_pad), dtype=torch.float32, device=dev)
+    # (rows rounded up for the db product: DB_ROWS_ALIGN)
+    z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
     # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
     dx32 = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
@@ -345,8 +364,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
-        finish_rows_kernel[(cc,)](
-            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, *cf,
+        # with db, D's rows [cc, db_rows(cc)) are zeroed by the same launch
+        finish_rows_kernel[(_db_rows(cc) if out.db32 is not None else cc,)](
+            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
             scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
             out.nll, out.loss, v, v_pad, p.softcap_arg,
             HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
@@ -371,8 +391,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                             out=out.dw[a:b])
             else:
                 out.dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
-        if out.db32 is not None:  # column sums of D as a (1 x cc) @ D product into fp32
-            gemm_f32(ones[:, :cc], dc, out.db32[:, :v_gemm], alpha=inv_scale,
+        if out.db32 is not None:  # column sums of D as a (1 x cc') @ D product into fp32
+            k = _db_rows(cc)
+            gemm_f32(ones[:, :k], d[:k, :v_gemm], out.db32[:, :v_gemm], alpha=inv_scale,
                      accumulate=c0 > 0)
 
 
@@ -393,7 +414,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     v_pad = padded_vocab(v)
     out = _Outputs(p, lse_in, need_dx)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
-    ones = torch.ones((1, n), dtype=p.x.dtype, device=dev) if need_db else None
+    ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
     d_scale = read()
     nv = p.n_valid_host
     n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
