@@ -10,8 +10,11 @@ otherwise, before any gradient exists): the backend does it at its one host sync
 Two ops, chosen by how the upstream gradient is shaped:
 
 * ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``. When gradients are needed they are computed in
-  the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep) and scaled by the
-  actual scalar upstream gradient in the backward.
+  the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep), kept in their
+  accumulation dtype (fp32 for 16-bit parameters), and in the backward multiplied by the actual
+  scalar upstream gradient and rounded once into the parameters' dtypes: the same single
+  rounding as a loss whose upstream gradient is known. ``low_memory`` rounds them in the
+  forward instead (16-bit buffers; a non-unit upstream gradient then rounds them again).
 * ``fused_ce::linear_ce_rows`` -- ``loss_i`` per row (reduction 'none'). The backward recomputes
   the logits with the saved lse and the coefficients scaled by the per-row upstream gradient.
 
@@ -27,7 +30,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fused_ce._dispatch import backend_for
-from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows
+from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows, grad_dtypes
 
 _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the fused loss is not "
                     "supported; compute higher-order gradients from explicit logits instead")
@@ -68,7 +71,8 @@ def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
                   softcap: Optional[float], with_weighted_sum: bool, need_dx: bool, need_dw: bool,
                   need_db: bool, low_memory: bool
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty."""
+    """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty, the
+    others for an upstream gradient of 1, in ``_forward_grad_dtypes``."""
     return _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
                    coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw,
                    need_db, low_memory)
@@ -88,10 +92,21 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         x, weight, bias, target, ignore_index, softcap, class_weight,
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
-        low_memory=low_memory, check_targets=True, **extra)
+        low_memory=low_memory, check_targets=True, round_grads=low_memory, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
-    grads = [g if g is not None else _empty(x) for g in (stats.dx, stats.dw, stats.db)]
+    # a backend that rounded them anyway (the vocabulary sweeps) returns them upcast: the op's
+    # output dtypes do not depend on the path taken
+    dtypes = _forward_grad_dtypes(x, weight, bias, low_memory)
+    grads = [_empty(x) if g is None else g if g.dtype == dt else g.to(dt)
+             for g, dt in zip((stats.dx, stats.dw, stats.db), dtypes)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
+
+
+def _forward_grad_dtypes(x, weight, bias, low_memory: bool) -> tuple:
+    """The dtypes of linear_ce_sum's dx, dw, db: their parameters' with ``low_memory``, else
+    those of accumulation (unrounded until the backward)."""
+    dtypes = grad_dtypes(x, weight, bias)
+    return dtypes if low_memory else tuple(accumulation_dtype(d) for d in dtypes)
 
 
 linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())(_linear_ce_sum)
@@ -102,11 +117,13 @@ def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob
       ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db, low_memory):
     acc = accumulation_dtype(x.dtype)
     n = x.shape[0]
+    gx, gw, gb = _forward_grad_dtypes(x, weight, bias, low_memory)
     return (x.new_empty((), dtype=acc), x.new_empty(n, dtype=acc),
             x.new_empty(n, dtype=torch.long),
-            x.new_empty(x.shape) if need_dx else x.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else x.new_empty(0),
-            bias.new_empty(bias.shape) if (need_db and bias is not None) else x.new_empty(0))
+            x.new_empty(x.shape, dtype=gx) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape, dtype=gw) if need_dw else x.new_empty(0),
+            (bias.new_empty(bias.shape, dtype=gb) if (need_db and bias is not None)
+             else x.new_empty(0)))
 
 
 def _tracing(t: Tensor) -> bool:
@@ -121,6 +138,7 @@ def _sum_setup(ctx, inputs, output):
     _, lse, argmax, dx, dw, db = output
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
     ctx.save_for_backward(dx, dw, db)
+    ctx.grad_dtypes = grad_dtypes(*inputs[:3])
     ctx.consumed = False
     # the outputs other than the loss get no upstream gradient: without this autograd would
     # allocate zeros for them, dx-, dw- and db-sized, in every backward
@@ -128,9 +146,10 @@ def _sum_setup(ctx, inputs, output):
 
 
 def _sum_backward(ctx, g_loss, *_):
-    """The gradients were computed in the forward for an upstream gradient of 1; scale them by
-    the actual (scalar) upstream gradient in place, so no second gradient-sized buffer is made.
-    That consumes them: a second backward through the same graph is refused."""
+    """The gradients were computed in the forward for an upstream gradient of 1; multiply them
+    by the actual (scalar) upstream gradient, rounded once into the parameters' dtypes (in place
+    where they already have them). That consumes them: a second backward through the same
+    graph is refused."""
     if torch.is_grad_enabled():
         raise RuntimeError(_DOUBLE_BACKWARD)
     if ctx.consumed:
@@ -141,15 +160,17 @@ def _sum_backward(ctx, g_loss, *_):
     need = ctx.needs_input_grad
     if g_loss is None:  # (not materialized) the loss itself got no gradient
         return (None,) * 16
-    grads = [g if wanted else None for g, wanted in zip((dx, dw, db), need[:3])]
-    # each gradient times the fp32 scalar (computed in fp32, rounded once to its dtype)
-    if _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code
-        grads = [None if g is None else g * g_loss for g in grads]
-    else:
-        present = [g for g in grads if g is not None]
-        if present:  # in place, in one launch where the backend can
-            backend_for(present[0]).scale_grads(present, g_loss)
-    return tuple(grads) + (None,) * 13
+    wanted = [(g, dt) for g, dt, w in zip((dx, dw, db), ctx.grad_dtypes, need[:3]) if w]
+    # each gradient times the scalar, in the wider precision of the two, rounded once
+    if not wanted:
+        scaled = []
+    elif _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code
+        scaled = [(g * g_loss).to(dt) for g, dt in wanted]
+    else:  # in one launch where the backend can
+        grads, dtypes = zip(*wanted)
+        scaled = backend_for(grads[0]).scaled_grads(grads, dtypes, g_loss)
+    it = iter(scaled)
+    return tuple(next(it) if w else None for w in need[:3]) + (None,) * 13
 
 
 torch.library.register_autograd("fused_ce::linear_ce_sum", _sum_backward, setup_context=_sum_setup)

@@ -41,13 +41,16 @@ times ``1 - (z_ij / softcap)**2`` (the softcap's derivative) when a softcap is s
 in the dtype of its input.
 
 * ``forward(..., coefs=GradCoefs, need_dx/need_dw/need_db)`` also returns those gradients,
-  computed from the lse of the same pass (three GEMM-equivalents in one sweep).
+  computed from the lse of the same pass (three GEMM-equivalents in one sweep); with
+  ``round_grads=False`` a backend may return them unrounded, in their accumulation dtype (for
+  ``scaled_grads``: the upstream gradient is not known yet).
 * ``backward(..., lse, coefs, ...)`` recomputes the logits and returns them (the lse comes from an
   earlier ``forward``; used when the upstream gradient is per row, and by the vocab-parallel path
   whose lse is global).
 * ``log_softmax(x, weight, bias)`` returns ``log_softmax(x @ W.T + b)`` in ``x``'s dtype.
-* ``scale_grads(grads, g)`` multiplies each gradient in place by the scalar ``g`` (the loss's
-  upstream gradient, in the loss's dtype), computed in ``g``'s precision and rounded once.
+* ``scaled_grads(grads, dtypes, g)`` returns each gradient times the scalar ``g`` (the loss's
+  upstream gradient, in the loss's dtype) in the given dtype: the product in the wider of the
+  two precisions, rounded once; in place where a gradient already has its dtype.
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
 
 
 def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in, coefs,
-         with_weighted_sum, need_dx, need_dw, need_db, low_memory, lse_is_local=False):
+         with_weighted_sum, need_dx, need_dw, need_db, low_memory, lse_is_local=False,
+         round_grads=True):
     n, vocab = x.shape[0], weight.shape[0]
     ch = _Chunker(x, weight, bias, class_weight, softcap)
     acc = ch.acc
@@ -242,11 +246,10 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         if db is not None:
             db.add_(dz.sum(0))
 
-    grads = (
-        None if dx is None else dx.to(x.dtype),
-        None if dw is None else dw.to(weight.dtype),
-        None if db is None else db.to(bias.dtype if bias is not None else weight.dtype),
-    )
+    grads = (dx, dw, db)
+    if round_grads:
+        grads = tuple(None if g is None else g.to(dt)
+                      for g, dt in zip(grads, grad_dtypes(x, weight, bias)))
     if not stats_wanted:
         return grads
     return RowStats(lse, target_logit, weighted_sum, max_logit, argmax, *grads, nll)
@@ -256,15 +259,18 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             softcap: Optional[float], class_weight: Optional[Tensor], *,
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
-            low_memory: bool = False, check_targets: bool = False) -> RowStats:
-    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given.
+            low_memory: bool = False, check_targets: bool = False,
+            round_grads: bool = True) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given
+    (in the accumulation dtype without ``round_grads``).
     ``check_targets``: raise ValueError for a target outside ``[0, V)`` that is not
     ``ignore_index`` (else such a row is "out of shard", see above)."""
     if check_targets:
         check_target_values(target, weight.shape[0], ignore_index)
     return _run(x, weight, bias, target, ignore_index, softcap, class_weight, lse_in=None,
                 coefs=coefs, with_weighted_sum=with_weighted_sum, need_dx=need_dx,
-                need_dw=need_dw, need_db=need_db, low_memory=low_memory)
+                need_dw=need_dw, need_db=need_db, low_memory=low_memory,
+                round_grads=round_grads)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
@@ -294,6 +300,12 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return out
 
 
-def scale_grads(grads, g: Tensor) -> None:
-    """grad *= g in place for each of ``grads`` (g a 0-dim tensor of the loss's dtype)."""
-    torch._foreach_mul_(list(grads), g)
+def grad_dtypes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    """The dtypes of dx, dW and db: their parameters' (db: the weight's without a bias)."""
+    return x.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype
+
+
+def scaled_grads(grads, dtypes, g: Tensor) -> list:
+    """[grad * g in dtype] (module docstring; g a 0-dim tensor of the loss's dtype)."""
+    return [grad.mul_(g) if grad.dtype == dt else (grad * g).to(dt)
+            for grad, dt in zip(grads, dtypes)]

@@ -396,24 +396,40 @@ def test_prepared_targets_same_results(row_chunks, monkeypatch):
 
 
 @pytest.mark.parametrize("sizes", [(17,), (0, 16, 1), (100, 15, 33), (0,)])
-def test_scale_grads_rounds_once(sizes):
-    """kernels.scale_grads: every element times the fp32 scalar, rounded once to its dtype
-    (bitwise), for up to three tensors of mixed dtypes in one launch; sizes around the
-    16-element block of the interpreter config. (bf16 on the GPU only: the interpreter
-    truncates fp32 -> bf16 conversions instead of rounding them to nearest.)"""
+def test_scaled_grads_round_once(sizes):
+    """kernels.scaled_grads: every element times the fp32 scalar, rounded once into its dtype
+    (bitwise), for up to three tensors in one launch: fp32 sources into fp16 and fp32 (in
+    place) destinations; sizes around the 16-element block of the interpreter config. (bf16 on
+    the GPU only: the interpreter truncates fp32 -> bf16 conversions instead of rounding them
+    to nearest.)"""
     g = _gen()
     dtypes = [torch.float16, torch.float32, torch.float16]
-    ts = [(torch.randn(n, generator=g) * 100).to(dtypes[i % 3]) for i, n in enumerate(sizes)]
+    src = [torch.randn(n, generator=g) * 100 for n in sizes]
+    src[-1] = src[-1].to(dtypes[len(sizes) - 1])  # a 16-bit gradient scaled in place too
     k = torch.rand((), generator=g) + 0.1  # fp32, not a power of two
-    want = [(t.float() * k).to(t.dtype) for t in ts]
-    kernels.scale_grads(ts, k)
-    for got, exp in zip(ts, want):
-        assert got.dtype == exp.dtype and torch.equal(got, exp)
+    want = [(s.float() * k).to(dt) for s, dt in zip(src, dtypes)]
+    same = [s.dtype == dt for s, dt in zip(src, dtypes)]
+    got = kernels.scaled_grads(src, dtypes[:len(sizes)], k)
+    for out, s, exp, inplace in zip(got, src, want, same):
+        assert out.dtype == exp.dtype and torch.equal(out, exp)
+        assert (out is s) == inplace
+
+
+def test_api_gradients_rounded_once(grad_path, monkeypatch):
+    """A non-unit upstream gradient: the API's gradients are the forward's (fp32 on the
+    row-chunk path, rounded on the sweeps) times it, rounded once (ops.linear_ce_sum)."""
+    from tests.oracle import assert_grads_rounded_once
+    g = _gen()
+    x, w, b, t, _ = _inputs(37, 70, 89, torch.float16, out_of_shard=False, g=g)
+    k = float(torch.rand((), generator=g)) * 3 + 0.1
+    dtypes = assert_grads_rounded_once(kernels, monkeypatch, x, w, b, t, k)
+    want = torch.float32 if grad_path == "row_chunks" else torch.float16
+    assert dtypes == [want] * 3
 
 
 def test_api_backward_scales_by_upstream_gradient(grad_path):
     """The public loss times a non-unit, non-power-of-two factor: its gradients (scaled in the
-    backward by scale_grads) against the fp64 oracle of the scaled loss."""
+    backward by scaled_grads) against the fp64 oracle of the scaled loss."""
     import fused_ce
     from tests.oracle import cross_entropy64
     g = _gen()

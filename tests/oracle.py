@@ -72,3 +72,30 @@ def assert_prepared_targets_change_nothing(x, w, b, t):
     assert prepared.scan is not None
     for got, exp in zip(run(prepared), run(None)):
         assert torch.equal(got, exp)
+
+
+def assert_grads_rounded_once(backend, monkeypatch, x, w, b, t, k, low_memory=False):
+    """``linear_cross_entropy(...) * k`` backpropagated: its gradients are bitwise what the
+    backend's forward computed for an upstream gradient of 1 (recorded as it returns them),
+    times k in fp32 and rounded once into the parameters' dtypes (ops.linear_ce_sum). Returns
+    the dtypes the backend gave them (16-bit: rounded in its forward; fp32: unrounded)."""
+    import fused_ce
+
+    seen = []
+    forward = backend.forward
+
+    def recording(*args, **kwargs):
+        stats = forward(*args, **kwargs)
+        seen.append([None if g is None else g.clone() for g in (stats.dx, stats.dw, stats.db)])
+        return stats
+
+    monkeypatch.setattr(backend, "forward", recording)
+    ps = [p.clone().requires_grad_() for p in (x, w, b)]
+    loss = fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2],
+                                         low_memory=low_memory)
+    (loss * k).backward()
+    assert len(seen) == 1
+    for p, g in zip(ps, seen[0]):
+        want = (g.to(torch.promote_types(g.dtype, torch.float32)) * k).to(p.dtype)
+        assert p.grad.dtype == p.dtype and torch.equal(p.grad, want)
+    return [g.dtype for g in seen[0]]

@@ -268,13 +268,27 @@ def test_log_softmax_vs_fp64(dtype):
     assert _rel(out, exp) <= (GRAD_TOL if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_scale_grads_rounds_once_bf16():
+def test_scaled_grads_round_once_bf16():
     """The backward's gradient scaling (one launch, several 4096-element blocks per tensor):
-    bitwise torch's fp32 product rounded once, for bf16, fp16 and fp32 tensors."""
-    ts = [torch.randn(n, device="cuda").to(dt) * 50 for n, dt in
-          ((3 * 30522 + 1, torch.bfloat16), (4097, torch.float16), (1, torch.float32))]
+    bitwise torch's fp32 product rounded once, fp32 sources into bf16 and fp16, and an fp32
+    tensor in place."""
+    src = [torch.randn(n, device="cuda") * 50 for n in (3 * 30522 + 1, 4097, 1)]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
     k = torch.rand((), device="cuda") + 0.1
-    want = [(t.float() * k).to(t.dtype) for t in ts]
-    kernels.scale_grads(ts, k)
-    for got, exp in zip(ts, want):
-        assert torch.equal(got, exp)
+    want = [(s * k).to(dt) for s, dt in zip(src, dtypes)]
+    got = kernels.scaled_grads(src, dtypes, k)
+    for out, exp in zip(got, want):
+        assert out.dtype == exp.dtype and torch.equal(out, exp)
+    assert got[2] is src[2]
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_gradients_rounded_once_bf16(path, low_memory, monkeypatch):
+    """A non-unit upstream gradient on the GPU paths (bf16, the dtype the interpreter cannot
+    round): the gradients are the forward's times it, rounded once; unrounded (fp32) from the
+    forward on the row-chunk path."""
+    from tests.oracle import assert_grads_rounded_once
+    x, w, b, t = _inputs(3001, 1030, 5003, torch.bfloat16, ignored=0.5)
+    dtypes = assert_grads_rounded_once(kernels, monkeypatch, x, w, b, t, 0.37, low_memory)
+    row_chunks = path != "vocab_sweep" and not low_memory
+    assert dtypes == [torch.float32 if row_chunks else torch.bfloat16] * 3

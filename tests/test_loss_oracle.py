@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import fused_ce
 from fused_ce import reference
-from tests.oracle import assert_close, cross_entropy64, rel_err
+from tests.oracle import assert_close, assert_grads_rounded_once, cross_entropy64, rel_err
 
 
 def _case(draw_or_params, seed):
@@ -166,6 +166,22 @@ def test_upstream_gradient_scales_and_repeated_backward_of_graph():
     want = cross_entropy64(x, W, t)
     gx, gw = torch.autograd.grad(3.5 * want, (x, W))
     assert rel_err(x.grad, gx) < 1e-5 and rel_err(W.grad, gw) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_gradients_are_rounded_once_for_any_upstream_gradient(monkeypatch, dtype, low_memory):
+    """With a non-unit upstream gradient the gradients computed in the forward are scaled and
+    rounded once in the backward: kept unrounded (fp32) until then, unless ``low_memory``."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(37, 70, generator=gen).to(dtype)
+    w = (torch.randn(89, 70, generator=gen) / 8).to(dtype)
+    b = (torch.randn(89, generator=gen) * 4).to(dtype)
+    t = torch.randint(0, 89, (37,), generator=gen)
+    t[::5] = -100
+    k = float(torch.rand((), generator=gen)) * 3 + 0.1  # not a power of two
+    dtypes = assert_grads_rounded_once(reference, monkeypatch, x, w, b, t, k, low_memory)
+    assert dtypes == [dtype if low_memory else torch.float32] * 3
 
 
 def test_double_backward_is_a_clear_error():

@@ -16,8 +16,10 @@
 * ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
   chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
   writing ``z - lse`` (log_probs.py).
-* ``scale_grads``: the backward's in-place scaling by the upstream gradient, one launch
-  (scale.py).
+* ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the unrounded
+  gradients of the row-chunk path once into their dtypes, in one launch (scale.py). The
+  sweeps round their gradients in the forward (``round_grads`` or not): their dW is finished
+  per vocabulary chunk, so an fp32 copy would double its memory.
 
 Results are deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the
 reference (Triton's fp64 dot is not worth a kernel).
@@ -42,10 +44,10 @@ from fused_ce.kernels.gradients import grad_scale, gradients, library_products, 
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_stats import combine, row_stats_kernel
-from fused_ce.kernels.scale import scalable, scale_
+from fused_ce.kernels.scale import scalable, scale_into
 from fused_ce.kernels.targets import scan_targets as _scan
 
-__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets", "scale_grads"]
+__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets", "scaled_grads"]
 
 
 def supports(x: Tensor) -> bool:
@@ -99,22 +101,24 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
             low_memory: bool = False, check_targets: bool = False,
-            scan: Optional["TargetScan"] = None) -> RowStats:
-    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given.
+            scan: Optional["TargetScan"] = None, round_grads: bool = True) -> RowStats:
+    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given
+    (without ``round_grads`` those of the row-chunk path in fp32, unrounded).
     ``scan``: ``scan_targets`` of this same target, made earlier (its host read has had time
     to arrive)."""
     if _use_reference(x, weight):
         return reference.forward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                  with_weighted_sum=with_weighted_sum, coefs=coefs,
                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                                 low_memory=low_memory, check_targets=check_targets)
+                                 low_memory=low_memory, check_targets=check_targets,
+                                 round_grads=round_grads)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight,
                 scan=None if scan is None else (scan.row_idx, scan.counts))
     want = coefs is not None and (need_dx or need_dw or need_db)
     if want and row_chunks.applicable(p, low_memory):
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
                                    check_targets=check_targets, scan=scan)
-        return _row_stats_with(stats, _cast(grads, weight))
+        return _row_stats_with(stats, _rounded(grads, x, weight, bias) if round_grads else grads)
     if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
         # the target check reads the device anyway: the valid count comes with it, and the
         # cuBLAS products then skip the ignored rows (MLM)
@@ -124,8 +128,8 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
     grads = (None, None, None)
     if want:
-        grads = _cast(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
-                                need_db=need_db, low_memory=low_memory), weight)
+        grads = _rounded(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
+                                   need_db=need_db, low_memory=low_memory), x, weight, bias)
     return _row_stats_with(stats, grads)
 
 
@@ -142,9 +146,9 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     if row_chunks.applicable(p, low_memory):
         _, grads = _row_chunks(p, coefs, False, need_dx, need_dw, need_db, lse_in=lse)
-        return _cast(grads, weight)
-    return _cast(gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                           low_memory=low_memory), weight)
+        return _rounded(grads, x, weight, bias)
+    return _rounded(gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                              low_memory=low_memory), x, weight, bias)
 
 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
@@ -213,21 +217,19 @@ def scan_targets(target: Tensor, ignore_index: int, vocab: int) -> Optional[Targ
     return TargetScan(target.reshape(-1).contiguous(), ignore_index, vocab)
 
 
-def scale_grads(grads, g: Tensor) -> None:
-    """reference.scale_grads: one Triton launch for 16-bit and fp32 gradients and an fp32 g
-    (scale.py), torch's in-place multiply otherwise (fp64)."""
-    grads = list(grads)
-    if scalable(grads, g):
-        scale_(grads, g)
-    else:
-        reference.scale_grads(grads, g)
+def scaled_grads(grads, dtypes, g: Tensor) -> list:
+    """reference.scaled_grads: one Triton launch for 16-bit and fp32 gradients and an fp32 g
+    (scale.py), torch otherwise (fp64)."""
+    grads, dtypes = list(grads), list(dtypes)
+    if scalable(grads, dtypes, g):
+        return scale_into(grads, dtypes, g)
+    return reference.scaled_grads(grads, dtypes, g)
 
 
-def _cast(grads, weight: Tensor):
-    dx, dw, db = grads
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    return dx, dw, db
+def _rounded(grads, x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """(dx, dw, db) in their parameters' dtypes (reference.grad_dtypes)."""
+    return tuple(g if g is None or g.dtype == dt else g.to(dt)
+                 for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias)))
 
 
 def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

@@ -13,17 +13,22 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
                                        and loss; pass 2 writes dz (input dtype) over the first
                                        half of Z's own row. With a given lse (the backward of
                                        reduction='none') pass 1 is skipped.
-    dX[rows_c]  = D @ W                cuBLAS, fp32 output, rounded once into dX (the fp32
-                                       output also keeps cuBLAS from reducing split-K partials
-                                       in 16 bits)
-    dW32       += D.T @ x_c            cuBLAS accumulating into fp32 (no bf16 drift); a single
-                                       chunk writes dW directly from one product over all rows
-    db32       += 1 @ D                a (1 x c) GEMM into fp32: D's column sums (c rounded up
+    dX32[rows_c] = D @ W               cuBLAS, fp32 output (which also keeps cuBLAS from
+                                       reducing split-K partials in 16 bits)
+    dW32        += D.T @ x_c           cuBLAS accumulating into fp32 (no bf16 drift); a single
+                                       chunk writes it from one product over all rows
+    db32        += 1 @ D               a (1 x c) GEMM into fp32: D's column sums (c rounded up
                                        to a multiple of 8 by zero rows of D: DB_ROWS_ALIGN)
 
+The gradients are returned in fp32, unrounded: the backward of the summed loss multiplies them
+by the upstream gradient and rounds each element once (scale.py). Rounded here and scaled
+there, a gradient would be rounded twice: on the H200 with an upstream gradient of 0.37, dX's
+error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
+
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``row_chunk_budget``, or twice that when all valid rows fit in one chunk); with several chunks
-the fp32 dW (4 V H bytes) and the padded copy of W when V is not a multiple of 64. cuBLAS
+``row_chunk_budget``, or twice that when all valid rows fit in one chunk), the fp32 gradients
+(4 (N + V) H bytes: twice the 16-bit ones) and, with several chunks, the padded copy of W when
+V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
 gradient scale and the count of out-of-range targets; the read starts asynchronously and is
 waited for after the launches that do not need it), so this path is not used while a CUDA
@@ -234,7 +239,7 @@ def applicable(p: Problem, low_memory: bool) -> bool:
 
 def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
     """(number of chunks, rows per chunk). Z may take ``row_chunk_budget`` bytes; all rows go
-    in one chunk when they fit in twice that (then dW needs no fp32 accumulator). Chunks are
+    in one chunk when they fit in twice that (then dW is one product, not accumulated). Chunks are
     balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows that many."""
     budget = row_chunk_budget(dw32_bytes)
     if rows * bytes_per_row <= 2 * budget:
@@ -292,7 +297,7 @@ def split_weight(weight: torch.Tensor) -> list:
 
 class _Outputs:
     """What forward_with_grads writes: the per-row statistics and loss (unless ``lse_in`` is
-    given), dx, and dW / db straight or through fp32 accumulators."""
+    given) and the fp32 gradients."""
 
     def __init__(self, p: Problem, lse_in, need_dx: bool):
         n, dev = p.N, p.device
@@ -306,18 +311,18 @@ class _Outputs:
             self.lse = lse_in.to(torch.float32).contiguous()
             self.rest = None
             self.zt = self.ws = self.mx = self.am = self.nll = self.loss = self.lse  # not written
-        self.dx = torch.empty_like(p.x) if need_dx else None
-        self.dw = self.dw32 = self.db32 = None
+        self.dx32 = torch.empty(p.x.shape, **f32) if need_dx else None
+        self.dw32 = self.db32 = None
 
     def zero_ignored(self, p: Problem):
         """The rows no kernel writes (ignored targets): zero statistics, argmax ignore_index,
-        zero dx rows."""
+        zero dx rows (all of dx: the valid rows are written later)."""
         if self.rest is not None:
             self.lse.zero_()
             self.rest.zero_()
             self.am.fill_(p.ignore_index)
-        if self.dx is not None:
-            self.dx.zero_()
+        if self.dx32 is not None:
+            self.dx32.zero_()
 
 
 # The db product ones(1, k) @ D reduces over k = a chunk's rows. cuBLAS runs it as a gemv at
@@ -333,7 +338,7 @@ def _db_rows(rows: int) -> int:
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
                   out: _Outputs):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
-    freed on return, before the fp32 accumulators are rounded into the gradients). Nothing is
+    freed on return). Nothing is
     launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
     waits for it since the host read."""
     n, v, h, dev = p.N, p.V, p.H, p.device
@@ -349,8 +354,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
     # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
     d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
-    dx32 = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
-            if out.dx is not None else None)
+    # dX's chunk product: straight into dX32 when every row is valid, else gathered rows
+    dx_c = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
+            if out.dx32 is not None and nv < n else None)
     w, parts = p.weight, split  # the first chunk's logits come from W itself
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
@@ -375,22 +381,14 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             BLOCK_V=fin["BLOCK_V"], num_warps=fin["num_warps"])
         v_gemm = parts[-1][1]  # V, or v_pad with the padded copy (its columns past V are 0)
         dc = d[:cc, :v_gemm]
-        if out.dx is not None:
+        if out.dx32 is not None:
+            dst = out.dx32[c0:c0 + cc] if dx_c is None else dx_c[:cc]
             for i, (a, b) in enumerate(parts):
-                gemm_f32(dc[:, a:b], w[a:b], dx32[:cc], alpha=inv_scale, accumulate=i > 0)
-            if nv == n:
-                out.dx[c0:c0 + cc] = dx32[:cc]
-            else:
-                out.dx.index_copy_(0, rows[c0:c0 + cc], dx32[:cc].to(out.dx.dtype))
-        for a, b in parts if out.dw is not None or out.dw32 is not None else ():
-            if out.dw is None:
-                gemm_f32(dc[:, a:b].t(), xc, out.dw32[a:b], alpha=inv_scale,
-                         accumulate=c0 > 0)
-            elif dc.is_cuda and dc.dtype != torch.float32:
-                torch.addmm(out.dw[a:b], dc[:, a:b].t(), xc, beta=0, alpha=inv_scale,
-                            out=out.dw[a:b])
-            else:
-                out.dw[a:b] = torch.mm(dc[:, a:b].t().float(), xc.float()).mul_(inv_scale)
+                gemm_f32(dc[:, a:b], w[a:b], dst, alpha=inv_scale, accumulate=i > 0)
+            if dx_c is not None:
+                out.dx32.index_copy_(0, rows[c0:c0 + cc], dst)
+        for a, b in parts if out.dw32 is not None else ():
+            gemm_f32(dc[:, a:b].t(), xc, out.dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
         if out.db32 is not None:  # column sums of D as a (1 x cc') @ D product into fp32
             k = _db_rows(cc)
             gemm_f32(ones[:, :k], d[:k, :v_gemm], out.db32[:, :v_gemm], alpha=inv_scale,
@@ -400,7 +398,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
 def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
-    sweep over row chunks (module doc). ``cf``: the per-row coefficients (gradients.row_coefs);
+    sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row coefficients (gradients.row_coefs);
     ``read``: waits for the started host read of the valid count (kernels.CountRead), sets
     ``p.n_valid_host`` and returns D's scale; called once the launches that do not depend on it
     are queued; ``scale``: the power of two dz is stored
@@ -418,12 +416,11 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     d_scale = read()
     nv = p.n_valid_host
     n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
-    if need_dw and n_chunks == 1:  # one product over all rows, rounded once
-        out.dw = torch.empty((v, h), dtype=p.weight.dtype, device=dev)
-    elif need_dw:
+    if need_dw:
         # written, not added to, by the first chunk: no zero fill (2 GiB at Llama-3's head);
-        # padded rows: several chunks run the GEMMs on the padded weight
-        out.dw32 = torch.empty((v_pad, h), dtype=torch.float32, device=dev)
+        # padded rows when several chunks run the GEMMs on the padded weight
+        out.dw32 = torch.empty((v if n_chunks == 1 else v_pad, h), dtype=torch.float32,
+                               device=dev)
     if need_db:
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if nv > 0:
@@ -431,16 +428,14 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
                       lse_in is not None, bp, ones, out)
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
-        for g in (out.dw, out.db32):
+        for g in (out.dw32, out.db32):
             if g is not None:
                 g.zero_()
-    dw = out.dw32[:v].to(p.weight.dtype) if out.dw32 is not None else out.dw
-    db = None
-    if out.db32 is not None:
-        db = out.db32[0, :v].to(p.bias.dtype if p.bias is not None else p.weight.dtype)
+    dw = out.dw32[:v] if out.dw32 is not None else None
+    db = out.db32[0, :v] if out.db32 is not None else None
     stats = (None if lse_in is not None
              else (out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss))
-    return stats, (out.dx, dw, db)
+    return stats, (out.dx32, dw, db)
 
 
 @triton.jit

@@ -1,9 +1,10 @@
 #!/bin/bash
-# Seventh session's device calls. STEPS picks among: finish (the finish kernels alone), ab
+# Device calls of the seventh and eighth sessions. STEPS picks among: finish (the finish kernels alone), ab
 # (fused_ce and kernels, session start vs now, alternating in one call; ab_old/ is the session
 # start tree: mkdir ab_old && git archive 13ce610 | tar -x -C ab_old), db (the db product's
 # cuBLAS kernel by row count), tests (GPU tests), bench (BERT shapes with peers), large
-# (Llama-3 / Gemma-2 shapes).
+# (Llama-3 / Gemma-2 shapes), upstream (gradient errors with a non-unit upstream gradient; eighth
+# session).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,4 +26,5 @@ bench) timeout 240 python3 benchmarks/bench.py --out "$OUT/bert" $B --shapes ber
          | tee "$OUT/bert.log" | tail -30 ;;
 large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes llama3,gemma2 \
          --methods fused_ce,floor 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
+upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;
 esac; done
