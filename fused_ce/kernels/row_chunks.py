@@ -82,6 +82,62 @@ def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_
 
 
 @triton.jit
+def _fold_init(BLOCK_V: tl.constexpr):
+    """Empty lane-wise accumulators of _fold_block: max, sum-exp, argmax, weighted sum."""
+    return (tl.full((BLOCK_V,), float("-inf"), tl.float32), tl.zeros((BLOCK_V,), tl.float32),
+            tl.zeros((BLOCK_V,), tl.int32), tl.zeros((BLOCK_V,), tl.float32))
+
+
+@triton.jit
+def _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS: tl.constexpr, HAS_CW: tl.constexpr):
+    """Folds one block of a row's finished logits (columns ``cols``) into the lane-wise online
+    log-sum-exp: lane l sees columns l, l + BLOCK_V, ...; each keeps its own running max m_l
+    and s_l = sum exp(z - m_l); _store_row_stats merges them once at the end (lse = M + log
+    sum_l s_l exp(m_l - M)). No cross-lane work here."""
+    zm = tl.where(cols < V, z, float("-inf"))
+    # strictly greater: a lane keeps its first maximum (columns ascend); NaN wins, so it
+    # reaches the lse like in torch.logsumexp
+    better = (zm > m) | (zm != zm)
+    arg = tl.where(better, cols, arg)
+    m_new = tl.where(better, zm, m)
+    # (-inf - -inf is NaN: lanes that saw no finite logit yet add nothing)
+    s = (tl.where(m_new == m, s, s * tl.exp(m - m_new))
+         + tl.where(zm == float("-inf"), 0.0, tl.exp(zm - m_new)))
+    if WITH_WS:
+        if HAS_CW:
+            ws += tl.where(cols < V, z * tl.load(cw_ptr + cols, mask=cols < V, other=0.0), 0.0)
+        else:
+            ws += tl.where(cols < V, z, 0.0)
+    return m_new, s, arg, ws
+
+
+@triton.jit
+def _store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                     c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
+                     WITH_WS: tl.constexpr):
+    """Merges _fold_block's lanes and writes the row's statistics and loss (``zt``: its
+    target's finished logit, 0 when the target is not a column here); returns its lse."""
+    mx = tl.max(m, 0)
+    # first column attaining the row max: the smallest lane-first index among the lanes
+    # whose max equals it (torch.argmax's tie rule)
+    am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
+    log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+    lse = mx + log_s
+    has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
+    nll = _nll(mx, log_s, lse, zt, has_t)
+    ws_sum = tl.sum(ws, 0)
+    tl.store(lse_ptr + row, lse)
+    tl.store(zt_ptr + row, zt)
+    tl.store(nll_ptr + row, nll)
+    tl.store(ws_ptr + row, ws_sum)
+    tl.store(max_ptr + row, mx)
+    tl.store(am_ptr + row, am.to(tl.int64))
+    tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
+                                       c_prob_ptr, c_lse_sq_ptr, WITH_WS))
+    return lse
+
+
+@triton.jit
 def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
           HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """dz of one row's logits (module doc of grad_logits.py), 0 on columns not ``valid``."""
@@ -125,52 +181,18 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
     if LSE_IN:
         lse = tl.load(lse_ptr + row)
     else:
-        # Lane-wise online log-sum-exp: lane l sees columns l, l + BLOCK_V, ...; each keeps its
-        # own running max m_l and s_l = sum exp(z - m_l); one reduction merges them at the end
-        # (lse = M + log sum_l s_l exp(m_l - M)). No cross-lane work inside the loop.
-        m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_V,), tl.float32)
-        arg = tl.zeros((BLOCK_V,), tl.int32)
-        ws = tl.zeros((BLOCK_V,), tl.float32)
+        m, s, arg, ws = _fold_init(BLOCK_V)
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
                                  HAS_SOFTCAP)
-            zm = tl.where(cols < V, z, float("-inf"))
-            # strictly greater: a lane keeps its first maximum (columns ascend); NaN wins, so
-            # it reaches the lse like in torch.logsumexp
-            better = (zm > m) | (zm != zm)
-            arg = tl.where(better, cols, arg)
-            m_new = tl.where(better, zm, m)
-            # (-inf - -inf is NaN: lanes that saw no finite logit yet add nothing)
-            s = (tl.where(m_new == m, s, s * tl.exp(m - m_new))
-                 + tl.where(zm == float("-inf"), 0.0, tl.exp(zm - m_new)))
-            m = m_new
-            if WITH_WS:
-                if HAS_CW:
-                    ws += tl.where(cols < V, z * tl.load(cw_ptr + cols, mask=cols < V, other=0.0),
-                                   0.0)
-                else:
-                    ws += tl.where(cols < V, z, 0.0)
-        mx = tl.max(m, 0)
-        # first column attaining the row max: the smallest lane-first index among the lanes
-        # whose max equals it (torch.argmax's tie rule)
-        am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
-        log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
-        lse = mx + log_s
+            m, s, arg, ws = _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS, HAS_CW)
         has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
         zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
                                               softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
-        nll = _nll(mx, log_s, lse, zt, has_t)
-        ws_sum = tl.sum(ws, 0)
-        tl.store(lse_ptr + row, lse)
-        tl.store(zt_ptr + row, zt)
-        tl.store(nll_ptr + row, nll)
-        tl.store(ws_ptr + row, ws_sum)
-        tl.store(max_ptr + row, mx)
-        tl.store(am_ptr + row, am.to(tl.int64))
-        tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
-                                           c_prob_ptr, c_lse_sq_ptr, WITH_WS))
+        lse = _store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
+                               c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
+                               am_ptr, nll_ptr, loss_ptr, WITH_WS)
     if NEED_D:
         alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
         c_tgt = tl.load(c_tgt_ptr + row)
