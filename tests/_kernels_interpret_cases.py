@@ -308,6 +308,7 @@ def grad_path(request, monkeypatch):
     if request.param == "row_chunks":
         monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
         monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)  # 7 rows of Z at V <= 128
+        monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)  # (no lower bound from the rows)
     return request.param
 
 
@@ -321,6 +322,7 @@ def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
     targets, mean-sized coefficients (fp16 gradient scaling)."""
     monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
     g = _gen()
     n, h, v = 90, 48, 71
     x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=class_weight, g=g)
@@ -332,6 +334,25 @@ def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
     _check_stats(ours, ref, t, 1e-5, _weighted_sum_scale(x, w, b, t, softcap, cw))
     _check_grads(ours, ref._asdict(), x, w, b, TOL[dtype]["grads"], (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
+
+
+def test_row_chunk_sizes():
+    """row_chunks.chunking at the issue's shapes (fp32 rows of V padded to 64): 256 MiB of Z
+    at BERT's head up to 8k tokens (4 chunks of 2048), then a quarter of the valid rows (16k
+    tokens: 4 of 4096, ROW_CHUNKS_FEW); the large vocabularies within the 1 GiB cap; one chunk
+    when all rows fit in twice the budget (MLM's 15 %); log-softmax (no dW) keeps 256 MiB."""
+    from fused_ce.kernels.row_chunks import chunking
+    bert = 30592 * 4
+    assert chunking(8192, bert, 30258 * 1024 * 4) == (4, 2048)
+    assert chunking(16384, bert, 30522 * 1024 * 4) == (4, 4096)
+    assert chunking(12000, bert, 30522 * 1024 * 4) == (4, 3072)
+    assert chunking(2458, bert, 30522 * 1024 * 4) == (1, 2458)
+    assert chunking(16384, bert, 0) == (8, 2048)
+    assert chunking(16384, 128256 * 4, 128256 * 4096 * 4) == (8, 2048)
+    assert chunking(8192, 256000 * 4, 256000 * 2304 * 4) == (8, 1024)
+    for rows in (1, 127, 128, 1000, 2**20):
+        n, c = chunking(rows, bert, 30522 * 1024 * 4)
+        assert n * c >= rows and (n == 1 or c * bert <= config.ROW_CHUNK_BYTES_MAX)
 
 
 def test_row_chunk_log_softmax_logic(monkeypatch):

@@ -26,7 +26,8 @@ there, a gradient would be rounded twice: on the H200 with an upstream gradient 
 error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``row_chunk_budget``, or twice that when all valid rows fit in one chunk), the fp32 gradients
+``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
+MiB up to 8k tokens, a quarter of the valid rows' fp32 logits beyond), the fp32 gradients
 (4 (N + V) H bytes: twice the 16-bit ones) and, with several chunks, the padded copy of W when
 V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
@@ -260,10 +261,12 @@ def applicable(p: Problem, low_memory: bool) -> bool:
 
 
 def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
-    """(number of chunks, rows per chunk). Z may take ``row_chunk_budget`` bytes; all rows go
-    in one chunk when they fit in twice that (then dW is one product, not accumulated). Chunks are
-    balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows that many."""
-    budget = row_chunk_budget(dw32_bytes)
+    """(number of chunks, rows per chunk) of ``rows`` rows of Z; ``dw32_bytes``: the fp32 dW
+    accumulator's size with gradients, else 0. Z may take ``row_chunk_budget`` bytes; all rows
+    go in one chunk when they fit in twice that (then dW is one product, not accumulated).
+    Chunks are balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows
+    that many."""
+    budget = row_chunk_budget(dw32_bytes, rows if dw32_bytes else 0, bytes_per_row)
     if rows * bytes_per_row <= 2 * budget:
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
@@ -273,12 +276,20 @@ def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
     return triton.cdiv(rows, c), c
 
 
-def row_chunk_budget(dw32_bytes: int) -> int:
-    """Bytes of Z: half the fp32 dW accumulator, within [ROW_CHUNK_BYTES, ROW_CHUNK_BYTES_MAX].
-    Each chunk reads and writes that accumulator once (8 V H bytes): with Z at half its size a
-    chunk holds enough rows (>= ~1000 at H = 4096) for that traffic to stay a small part of the
-    chunk's GEMM time (H200: Llama-3 head 95 ms with 512 MiB, 88 ms with 1 GiB; NOTES.md)."""
-    return min(config.ROW_CHUNK_BYTES_MAX, max(config.ROW_CHUNK_BYTES, dw32_bytes // 2))
+def row_chunk_budget(dw32_bytes: int, rows: int = 0, bytes_per_row: int = 0) -> int:
+    """Bytes of Z: the largest of ROW_CHUNK_BYTES, half the fp32 dW accumulator and the Z of
+    1 / ROW_CHUNKS_FEW of ``rows`` (rows of ``bytes_per_row``; given with gradients), at most
+    ROW_CHUNK_BYTES_MAX. Each chunk reads and writes that accumulator once (8 V H bytes) and
+    runs its own db product: with Z at half the accumulator a chunk holds enough rows (>= ~1000
+    at H = 4096) for that traffic to stay a small part of the chunk's GEMM time, and with at
+    most ~ROW_CHUNKS_FEW chunks their count stays small where V H is (H200: Llama-3 head 95 ms
+    with 512 MiB, 88 ms with 1 GiB; BERT head on 16k tokens 7.07-7.11 ms in 8 chunks of 2048
+    rows, 6.66-6.70 ms in 4 of 4096; NOTES.md)."""
+    few = triton.cdiv(rows, config.ROW_CHUNKS_FEW)
+    if few >= 128:
+        few = triton.cdiv(few, 128) * 128
+    return min(config.ROW_CHUNK_BYTES_MAX,
+               max(config.ROW_CHUNK_BYTES, dw32_bytes // 2, few * bytes_per_row))
 
 
 def padded_vocab(v: int) -> int:
