@@ -1,10 +1,10 @@
 #!/bin/bash
-# Device calls of the seventh and eighth sessions. STEPS picks among: finish (the finish kernels alone), ab
+# Device calls of the seventh to ninth sessions. STEPS picks among: finish (the finish kernels alone), ab
 # (fused_ce and kernels, session start vs now, alternating in one call; ab_old/ is the session
 # start tree: mkdir ab_old && git archive 13ce610 | tar -x -C ab_old), db (the db product's
 # cuBLAS kernel by row count), tests (GPU tests), bench (BERT shapes with peers), large
 # (Llama-3 / Gemma-2 shapes), upstream (gradient errors with a non-unit upstream gradient; eighth
-# session).
+# session), finish_once (the one-read finish variants, tools/probe_finish_once.py; ninth).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,10 +21,13 @@ ab) for v in old new old new; do d=.; [ $v = old ] && d=ab_old
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
-bench) timeout 240 python3 benchmarks/bench.py --out "$OUT/bert" $B --shapes bert8k,mlm,bert16k \
+bench) timeout 300 python3 benchmarks/bench.py --out "$OUT/bert" $B \
+         --shapes ${BENCH_SHAPES:-bert8k,mlm,bert16k} \
          --methods ${BENCH_METHODS:-fused_ce,kernels,compile,liger,floor} 2>&1 | grep -v Warn \
          | tee "$OUT/bert.log" | tail -30 ;;
 large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes llama3,gemma2 \
          --methods fused_ce,floor 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
+finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
+          | tee "$OUT/finish_once.log" ;;
 upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;
 esac; done
