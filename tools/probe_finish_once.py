@@ -46,19 +46,44 @@ def _tail(m, s, arg, ws, zt_lanes, c, row, tgt, V, c_tgt_ptr, c_smooth_ptr, c_pr
 
 
 @triton.jit
+def _raise_shift(e_row, v0, bm, c, acc, lanes, VPAD, BLOCK_V: tl.constexpr):
+    """When block max bm exceeds the shift c by more than 64: c raised by k ln 2 >= bm - c, and
+    E written so far (columns [0, v0)) and the running sum ``acc`` scaled by 2^-k (exact)."""
+    if (bm - c > 64.0) & (bm < float("inf")):
+        k = tl.ceil((bm - c) * 1.4426950408889634)
+        f = tl.exp2(-k)
+        tl.debug_barrier()  # the earlier blocks' stores of every warp
+        for u0 in range(0, v0, BLOCK_V):
+            u = u0 + lanes
+            prev = tl.load(e_row + u, mask=u < VPAD, other=0.0).to(tl.float32)
+            tl.store(e_row + u, (prev * f).to(e_row.dtype.element_ty), mask=u < VPAD)
+        acc *= f
+        c += k * 0.6931471805599453
+    return c, acc
+
+
+@triton.jit
+def _row_start(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPAD,
+               BLOCK_V: tl.constexpr):
+    """This program's row of Z and of E, its row index and target, the first block of its
+    logits and the shift c (the first block's max; 0 where that is not finite)."""
+    r = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_V)
+    row = tl.load(row_idx_ptr + r)
+    z_row = z_ptr + r * ldz
+    z0 = _finished_logits(z_row, lanes, lanes < VPAD, bias_ptr, 1.0, True, False)
+    c = tl.max(tl.where(lanes < V, z0, float("-inf")), 0)
+    c = tl.where(tl.abs(c) < float("inf"), c, 0.0)
+    return r, lanes, e_ptr + r * lde, row, tl.load(target_ptr + row), z_row, z0, c
+
+
+@triton.jit
 def once_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt_ptr,
                 c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
                 nll_ptr, loss_ptr, s_ptr, dt_ptr, flag_ptr, V, VPAD, MODE: tl.constexpr,
                 BLOCK_V: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK_V)
-    e_row = e_ptr + r * lde
-    row = tl.load(row_idx_ptr + r)
-    tgt = tl.load(target_ptr + row)
-    z_row = z_ptr + r * ldz
-    z_next = _finished_logits(z_row, lanes, lanes < VPAD, bias_ptr, 1.0, True, False)
-    c = tl.max(tl.where(lanes < V, z_next, float("-inf")), 0)
-    c = tl.where(tl.abs(c) < float("inf"), c, 0.0)
+    r, lanes, e_row, row, tgt, z_row, z_next, c = _row_start(
+        z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPAD, BLOCK_V)
     m, s, arg, ws = _fold_init(BLOCK_V)
     zt_lanes = tl.zeros((BLOCK_V,), tl.float32)
     flag = tl.zeros((BLOCK_V,), tl.int32)
@@ -74,15 +99,7 @@ def once_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
         zt_lanes += tl.where((cols == tgt) & (cols < V), z, 0.0)
         if MODE <= 1:
             bm = tl.max(tl.where(cols < V, z, float("-inf")), 0)
-            if (bm - c > 64.0) & (bm < float("inf")):
-                k = tl.ceil((bm - c) * 1.4426950408889634)
-                f = tl.exp2(-k)
-                tl.debug_barrier()
-                for u0 in range(0, v0, BLOCK_V):
-                    u = u0 + lanes
-                    prev = tl.load(e_row + u, mask=u < VPAD, other=0.0).to(tl.float32)
-                    tl.store(e_row + u, (prev * f).to(e_ptr.dtype.element_ty), mask=u < VPAD)
-                c += k * 0.6931471805599453
+            c, _ = _raise_shift(e_row, v0, bm, c, c, lanes, VPAD, BLOCK_V)  # (no sum to scale)
             e = tl.exp(z - c)
         else:
             d = z - c
@@ -110,18 +127,11 @@ def lean_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
                 c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
                 nll_ptr, loss_ptr, s_ptr, dt_ptr, flag_ptr, V, VPAD, BLOCK_MAX: tl.constexpr,
                 BLOCK_V: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK_V)
-    e_row = e_ptr + r * lde
-    row = tl.load(row_idx_ptr + r)
-    tgt = tl.load(target_ptr + row)
-    z_row = z_ptr + r * ldz
+    r, lanes, e_row, row, tgt, z_row, z_next, c = _row_start(
+        z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPAD, BLOCK_V)
     has_t = (tgt >= 0) & (tgt < V)
     zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, 1.0,
                                           True, False), 0.0)
-    z_next = _finished_logits(z_row, lanes, lanes < VPAD, bias_ptr, 1.0, True, False)
-    c = tl.max(tl.where(lanes < V, z_next, float("-inf")), 0)
-    c = tl.where(tl.abs(c) < float("inf"), c, 0.0)
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     arg = tl.zeros((BLOCK_V,), tl.int32)
     acc = tl.zeros((BLOCK_V,), tl.float32)
@@ -135,17 +145,7 @@ def lean_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
         arg = tl.where(better, cols, arg)
         m = tl.where(better, zm, m)
         if BLOCK_MAX:
-            bm = tl.max(zm, 0)
-            if (bm - c > 64.0) & (bm < float("inf")):
-                k = tl.ceil((bm - c) * 1.4426950408889634)
-                f = tl.exp2(-k)
-                tl.debug_barrier()
-                for u0 in range(0, v0, BLOCK_V):
-                    u = u0 + lanes
-                    prev = tl.load(e_row + u, mask=u < VPAD, other=0.0).to(tl.float32)
-                    tl.store(e_row + u, (prev * f).to(e_ptr.dtype.element_ty), mask=u < VPAD)
-                acc *= f
-                c += k * 0.6931471805599453
+            c, acc = _raise_shift(e_row, v0, tl.max(zm, 0), c, acc, lanes, VPAD, BLOCK_V)
         e = tl.where((cols < V) & (cols != tgt), tl.exp(zm - c), 0.0)
         acc += e
         tl.store(e_row + cols, e.to(e_ptr.dtype.element_ty), mask=cols < VPAD)
