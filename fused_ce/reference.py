@@ -248,8 +248,7 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
 
     grads = (dx, dw, db)
     if round_grads:
-        grads = tuple(None if g is None else g.to(dt)
-                      for g, dt in zip(grads, grad_dtypes(x, weight, bias)))
+        grads = rounded_grads(grads, x, weight, bias)
     if not stats_wanted:
         return grads
     return RowStats(lse, target_logit, weighted_sum, max_logit, argmax, *grads, nll)
@@ -303,6 +302,12 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 def grad_dtypes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
     """The dtypes of dx, dW and db: their parameters' (db: the weight's without a bias)."""
     return x.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype
+
+
+def rounded_grads(grads, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    """(dx, dw, db) in their parameters' dtypes (grad_dtypes); None stays None."""
+    return tuple(g if g is None or g.dtype == dt else g.to(dt)
+                 for g, dt in zip(grads, grad_dtypes(x, weight, bias)))
 
 
 def scaled_grads(grads, dtypes, g: Tensor) -> list:

@@ -118,7 +118,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want and row_chunks.applicable(p, low_memory):
         stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
                                    check_targets=check_targets, scan=scan)
-        return _row_stats_with(stats, _rounded(grads, x, weight, bias) if round_grads else grads)
+        if round_grads:
+            grads = reference.rounded_grads(grads, x, weight, bias)
+        return _row_stats_with(stats, grads)
     if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
         # the target check reads the device anyway: the valid count comes with it, and the
         # cuBLAS products then skip the ignored rows (MLM)
@@ -128,8 +130,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
     grads = (None, None, None)
     if want:
-        grads = _rounded(gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
-                                   need_db=need_db, low_memory=low_memory), x, weight, bias)
+        grads = gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
+                          need_db=need_db, low_memory=low_memory)
+        grads = reference.rounded_grads(grads, x, weight, bias)
     return _row_stats_with(stats, grads)
 
 
@@ -146,9 +149,10 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     if row_chunks.applicable(p, low_memory):
         _, grads = _row_chunks(p, coefs, False, need_dx, need_dw, need_db, lse_in=lse)
-        return _rounded(grads, x, weight, bias)
-    return _rounded(gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                              low_memory=low_memory), x, weight, bias)
+    else:
+        grads = gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                          low_memory=low_memory)
+    return reference.rounded_grads(grads, x, weight, bias)
 
 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
@@ -224,12 +228,6 @@ def scaled_grads(grads, dtypes, g: Tensor) -> list:
     if scalable(grads, dtypes, g):
         return scale_into(grads, dtypes, g)
     return reference.scaled_grads(grads, dtypes, g)
-
-
-def _rounded(grads, x: Tensor, weight: Tensor, bias: Optional[Tensor]):
-    """(dx, dw, db) in their parameters' dtypes (reference.grad_dtypes)."""
-    return tuple(g if g is None or g.dtype == dt else g.to(dt)
-                 for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias)))
 
 
 def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
