@@ -94,11 +94,8 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
         low_memory=low_memory, check_targets=True, round_grads=low_memory, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
-    # a backend that rounded them anyway (the vocabulary sweeps) returns them upcast: the op's
-    # output dtypes do not depend on the path taken
-    dtypes = _forward_grad_dtypes(x, weight, bias, low_memory)
-    grads = [_empty(x) if g is None else g if g.dtype == dt else g.to(dt)
-             for g, dt in zip((stats.dx, stats.dw, stats.db), dtypes)]
+    # (in _forward_grad_dtypes: round_grads=False gives them in the accumulation dtype)
+    grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
 
 

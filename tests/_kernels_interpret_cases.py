@@ -462,15 +462,14 @@ def test_scaled_grads_round_once(sizes):
 
 
 def test_api_gradients_rounded_once(grad_path, monkeypatch):
-    """A non-unit upstream gradient: the API's gradients are the forward's (fp32 on the
-    row-chunk path, rounded on the sweeps) times it, rounded once (ops.linear_ce_sum)."""
+    """A non-unit upstream gradient: the API's gradients are the forward's (fp32, unrounded,
+    on every path) times it, rounded once (ops.linear_ce_sum)."""
     from tests.oracle import assert_grads_rounded_once
     g = _gen()
     x, w, b, t, _ = _inputs(37, 70, 89, torch.float16, out_of_shard=False, g=g)
     k = float(torch.rand((), generator=g)) * 3 + 0.1
     dtypes = assert_grads_rounded_once(kernels, monkeypatch, x, w, b, t, k)
-    want = torch.float32 if grad_path == "row_chunks" else torch.float16
-    assert dtypes == [want] * 3
+    assert dtypes == [torch.float32] * 3
 
 
 def test_api_backward_scales_by_upstream_gradient(grad_path):

@@ -286,9 +286,8 @@ def test_scaled_grads_round_once_bf16():
 def test_gradients_rounded_once_bf16(path, low_memory, monkeypatch):
     """A non-unit upstream gradient on the GPU paths (bf16, the dtype the interpreter cannot
     round): the gradients are the forward's times it, rounded once; unrounded (fp32) from the
-    forward on the row-chunk path."""
+    forward unless low_memory."""
     from tests.oracle import assert_grads_rounded_once
     x, w, b, t = _inputs(3001, 1030, 5003, torch.bfloat16, ignored=0.5)
     dtypes = assert_grads_rounded_once(kernels, monkeypatch, x, w, b, t, 0.37, low_memory)
-    row_chunks = path != "vocab_sweep" and not low_memory
-    assert dtypes == [torch.float32 if row_chunks else torch.bfloat16] * 3
+    assert dtypes == [torch.bfloat16 if low_memory else torch.float32] * 3

@@ -16,10 +16,9 @@
 * ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
   chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
   writing ``z - lse`` (log_probs.py).
-* ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the unrounded
-  gradients of the row-chunk path once into their dtypes, in one launch (scale.py). The
-  sweeps round their gradients in the forward (``round_grads`` or not): their dW is finished
-  per vocabulary chunk, so an fp32 copy would double its memory.
+* ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the forward's
+  unrounded (fp32, ``round_grads=False``) gradients once into their dtypes, in one launch
+  (scale.py). The sweeps then store each finished dW chunk in fp32 instead of rounding it.
 
 Results are deterministic (no atomics; every reduction has a fixed order). fp64 inputs use the
 reference (Triton's fp64 dot is not worth a kernel).
@@ -103,7 +102,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             low_memory: bool = False, check_targets: bool = False,
             scan: Optional["TargetScan"] = None, round_grads: bool = True) -> RowStats:
     """Per-row statistics of the logits, plus their gradients when ``coefs`` is given
-    (without ``round_grads`` those of the row-chunk path in fp32, unrounded).
+    (without ``round_grads`` in fp32, unrounded).
     ``scan``: ``scan_targets`` of this same target, made earlier (its host read has had time
     to arrive)."""
     if _use_reference(x, weight):
@@ -131,8 +130,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     grads = (None, None, None)
     if want:
         grads = gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
-                          need_db=need_db, low_memory=low_memory)
-        grads = reference.rounded_grads(grads, x, weight, bias)
+                          need_db=need_db, low_memory=low_memory, round_grads=round_grads)
     return _row_stats_with(stats, grads)
 
 

@@ -3,7 +3,8 @@
 Default mode (four GEMM-equivalents counting the statistics pass, exact fp32 accumulation):
 one sweep over vocabulary chunks of width ``vc`` with every valid row at once. Per chunk,
 ``grad_logits`` writes D = dz (rows x vc, input dtype), dW for those vocab rows is finished
-(reduction over all valid rows in fp32: rounded once, no fp32 dW accumulator across chunks), and
+(reduction over all valid rows in fp32: rounded once, or stored in fp32 for the
+backward's scaling, no fp32 dW accumulator across chunks), and
 D @ W[chunk] is added into an fp32 dX accumulator (rows x H) that the last chunk rounds into dX.
 The products run in cuBLAS (bf16, fp32: ``library_products``) or in matmul.py's Triton kernels
 (fp16). Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes) + with cuBLAS
@@ -120,14 +121,19 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     all_written = not by_row and p.n_valid_host is not None and p0 + rows <= p.n_valid_host
     fill = library and not all_written
     d = (torch.zeros if fill else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
-    acc = (torch.empty((d_rows, p.H), dtype=torch.float32, device=p.device)
-           if dx is not None and (library or len(chunks) > 1) else None)
     in_order = by_row or (p0 == 0 and rows == p.N == p.n_valid_host)  # compacted == original
+    f32 = torch.float32
+    acc = None  # dX's fp32 accumulator
+    if dx is not None and library and in_order and dx.dtype == f32:
+        acc = dx  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
+    elif dx is not None and (library or len(chunks) > 1):
+        acc = torch.empty((d_rows, p.H), dtype=f32, device=p.device)
     x_rows = None
     dw32 = None
     if library and dw is not None:
         x_rows = p.x if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
-        dw32 = torch.empty((min(vc, p.V), p.H), dtype=torch.float32, device=p.device)
+        if dw.dtype != f32:  # (an fp32 dw takes each chunk's product directly)
+            dw32 = torch.empty((min(vc, p.V), p.H), dtype=f32, device=p.device)
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
     db_part = (torch.empty((m_tiles, vc_pad), dtype=torch.float32, device=p.device)
                if db is not None else None)
@@ -143,9 +149,12 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             NEED_DB=db is not None, **p.flags, **lg)
         if library:
             dc = d[:, :width]
-            if dw is not None:  # one product over every row: dW rounded once
-                gemm_f32(dc.t(), x_rows, dw32[:width])
-                dw[v0:v0 + width].copy_(dw32[:width])
+            if dw is not None:  # one product over every row: dW rounded once (if at all)
+                if dw32 is None:
+                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width])
+                else:
+                    gemm_f32(dc.t(), x_rows, dw32[:width])
+                    dw[v0:v0 + width].copy_(dw32[:width])
             if dx is not None:
                 gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=i > 0)
         else:
@@ -155,7 +164,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             db[v0:v0 + width] = db_part[:, :width].sum(0)
     if library and dx is not None:
         if in_order:
-            dx.copy_(acc)
+            if acc is not dx:
+                dx.copy_(acc)
         else:
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
 
@@ -181,8 +191,10 @@ def _dw32_cap(p: Problem, library_dw: bool, budget: int) -> int:
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
-              need_db: bool, low_memory: bool):
-    """(dx, dw, db) in the input dtypes (None where not asked for); ignored rows get zeros.
+              need_db: bool, low_memory: bool, round_grads: bool = True):
+    """(dx, dw, db) in the input dtypes, or without ``round_grads`` in fp32, unrounded (None
+    where not asked for); ignored rows get zeros. The products accumulate in fp32 either way:
+    the outputs' dtype only decides whether their final stores round.
 
     The sweeps cover the first ``p.n_valid_host`` compacted rows when the caller read that
     count (the forward, whose target check syncs anyway), else all N positions (the kernels
@@ -190,8 +202,10 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     lse = lse.to(torch.float32).contiguous()
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf)
-    dx = torch.zeros_like(p.x) if need_dx else None
-    dw = torch.empty_like(p.weight) if need_dw else None  # the sweep writes every element
+    f32 = torch.float32
+    dx = torch.zeros_like(p.x, dtype=None if round_grads else f32) if need_dx else None
+    # (the sweep writes every element)
+    dw = torch.empty_like(p.weight, dtype=None if round_grads else f32) if need_dw else None
     db32 = torch.empty(p.V, dtype=torch.float32, device=p.device) if need_db else None
     elt = p.x.element_size()
     block_n = p.cfg["logits"]["BLOCK_N"]
@@ -235,7 +249,7 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
             dw.zero_()
         if db32 is not None:
             db32.zero_()
-    db = None
-    if db32 is not None:
+    db = db32
+    if db32 is not None and round_grads:
         db = db32.to(p.bias.dtype if p.bias is not None else p.weight.dtype)
     return dx, dw, db
