@@ -129,7 +129,8 @@ def method_fn(name, kind, x, w, b, t):
     if name == "torch_lce":
         if not hasattr(F, "linear_cross_entropy"):
             raise NotImplementedError(f"torch {torch.__version__} has no F.linear_cross_entropy")
-        return lambda: F.linear_cross_entropy(x, w, t, bias=b)
+        opts = torch.nn.LinearCrossEntropyOptions()  # the chunked path ("auto" policy)
+        return lambda: F.linear_cross_entropy(x, w, t, linear_bias=b, options=opts)
     if name == "floor":
         return floor_fn(kind, x, w, b, t)
     if name == "kernels":  # fused_ce.kernels.forward with gradients, no autograd layer

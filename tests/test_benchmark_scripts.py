@@ -1,0 +1,62 @@
+"""The benchmark scripts' method closures and measurement on CPU at tiny sizes: every method
+computes the loss it claims (against float64 PyTorch), so the scripts do not rot between GPU
+sessions. No timing is asserted."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}",
+                                                  os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, 70, generator=g).requires_grad_()
+    w = (torch.randn(101, 70, generator=g) / 8).requires_grad_()
+    b = (torch.randn(101, generator=g) * 5).requires_grad_()  # a large bias
+    t = torch.randint(0, 101, (9,), generator=g)
+    t[[0, 4]] = -100
+    return x, w, b, t
+
+
+def _loss64(x, w, b, t):
+    return F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t)
+
+
+@pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "eager", "torch_lce"])
+def test_bench_methods_compute_the_loss(method):
+    bench = _load("bench")
+    x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
+    if method == "torch_lce" and not hasattr(F, "linear_cross_entropy"):
+        with pytest.raises(NotImplementedError, match="no F.linear_cross_entropy"):
+            bench.method_fn(method, "ce", x, w, b, t)
+        return
+    loss = bench.method_fn(method, "ce", x, w, b, t)()
+    ref = _loss64(x, w, b, t)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.parametrize("method", ["fused_ce", "torch_lce"])
+def test_cpu_peers_measures_one(monkeypatch, method):
+    cpu_peers = _load("cpu_peers")
+    monkeypatch.setitem(cpu_peers.SHAPES, "tiny", (9, 70, 101, True, 0.5))
+    if method == "torch_lce" and not hasattr(F, "linear_cross_entropy"):
+        with pytest.raises(NotImplementedError, match="no F.linear_cross_entropy"):
+            cpu_peers.measure_one("tiny", method, reps=2)
+        return
+    r = cpu_peers.measure_one("tiny", method, reps=2)
+    assert r["shape"] == "tiny" and r["method"] == method and len(r["ms_all"]) == 2
+    assert r["ms"] > 0 and r["peak_mib"] >= 0
+    assert set(r["errors"]) == {"loss", "dx", "dw", "db"}
+    assert all(0 <= e <= 1e-5 for e in r["errors"].values()), r["errors"]
