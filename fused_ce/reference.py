@@ -51,6 +51,16 @@ in the dtype of its input.
 * ``scaled_grads(grads, dtypes, g)`` returns each gradient times the scalar ``g`` (the loss's
   upstream gradient, in the loss's dtype) in the given dtype: the product in the wider of the
   two precisions, rounded once; in place where a gradient already has its dtype.
+
+Blocks (this backend)
+=====================
+The processed rows go in blocks whose logits stay within a workspace budget (32 MiB, or 4 MiB
+with ``low_memory``; ``block_shape``). Where the budget holds at least ``MIN_CHUNK_ROWS``
+whole rows, a block is whole rows: its logits give the statistics and, from the same tensor,
+the gradients (three GEMMs). Where it does not (large vocabularies), a block is a few hundred
+rows cut into vocabulary tiles: one pass over the tiles computes the statistics with an online
+log-sum-exp, a second recomputes each tile's logits for its gradient (four GEMM-equivalents),
+and dW is read and written once per block rather than once per handful of rows.
 """
 
 from __future__ import annotations
@@ -66,6 +76,10 @@ from fused_ce._validation import check_target_values
 # small enough that the whole forward+backward stays far below the logits' size.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 LOW_MEMORY_CHUNK_BYTES = 4 * 2**20
+# Whole-row chunks of fewer rows than this give way to vocabulary tiles (block_shape), which
+# are at least MIN_TILE_COLS wide.
+MIN_CHUNK_ROWS = 256
+MIN_TILE_COLS = 128
 
 
 class GradCoefs(NamedTuple):
@@ -102,6 +116,29 @@ def chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -
     return max(1, budget // per_row)
 
 
+def block_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, buffers: int,
+                low_memory: bool) -> tuple[int, int]:
+    """(rows per block, vocabulary columns per tile) of the loss's blocks over ``rows``
+    processed rows, within the workspace budget (``low_memory``: the smaller one).
+
+    Whole rows (columns = vocab: one pass, three GEMMs) when the budget holds
+    ``MIN_CHUNK_ROWS`` of them, or all the rows. Else tiles of the budget's size whose block of
+    inputs (rows x hidden) fits the budget too: a statistics pass over the tiles, then a
+    gradient pass that recomputes them (four GEMM-equivalents). Chunks of a few whole rows would
+    cost more: CPU GEMMs over few rows run up to 1.5x slower, and each chunk re-reads and
+    re-writes the whole fp32 dW (2 GiB at Llama-3's head), where a block of tiles does so once.
+    """
+    budget = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+    whole = chunk_rows(vocab, dtype, buffers, low_memory)
+    if whole >= min(rows, MIN_CHUNK_ROWS):
+        return whole, vocab
+    itemsize = torch.finfo(dtype).bits // 8
+    block = max(1, min(rows, budget // (max(1, hidden) * itemsize),
+                       budget // (MIN_TILE_COLS * itemsize * buffers)))
+    cols = max(1, budget // (block * itemsize * buffers))
+    return (block, cols) if cols < vocab else (max(1, whole), vocab)
+
+
 def _processed_rows(target: Tensor, ignore_index: int) -> Tensor:
     return (target != ignore_index).nonzero().squeeze(1)
 
@@ -122,8 +159,9 @@ def nll_from(finite: Tensor, m: Tensor, log_s: Tensor, lse: Tensor, target_logit
 
 
 class _Chunker:
-    """Computes the logits of row chunks and their gradients, sharing one code path between
-    ``forward`` (lse from the same chunk) and ``backward`` (lse given)."""
+    """Computes the logits of a block of rows (whole rows, or one vocabulary tile of them) and
+    their gradients, sharing one code path between ``forward`` (lse from the same pass) and
+    ``backward`` (lse given)."""
 
     def __init__(self, x, weight, bias, class_weight, softcap):
         self.acc = accumulation_dtype(x.dtype)
@@ -134,29 +172,33 @@ class _Chunker:
         self.softcap = softcap
         self.x = x
 
-    def logits(self, rows: Tensor, with_cap_factor: bool = False):
-        """(x rows, their logits, the softcap's derivative or None). With a softcap c the
-        derivative d(c tanh(u/c))/du = 1 - tanh^2(u/c) is computed as sech^2(u/c) from the raw
-        logits: 1 - t^2 from the rounded t would cancel where tanh saturates."""
-        xc = self.x.index_select(0, rows).to(self.acc)
-        if self.bias is None:
-            z = xc @ self.weight.t()
-        else:
-            z = torch.addmm(self.bias, xc, self.weight.t())
+    def rows(self, rows: Tensor) -> Tensor:
+        """The input rows ``rows``, in the accumulation dtype."""
+        return self.x.index_select(0, rows).to(self.acc)
+
+    def logits(self, xc: Tensor, cols: slice = slice(None), with_cap_factor: bool = False):
+        """(logits of the rows ``xc`` in the vocabulary columns ``cols``, the softcap's derivative
+        or None). With a softcap c the derivative d(c tanh(u/c))/du = 1 - tanh^2(u/c) is computed
+        as sech^2(u/c) from the raw logits: 1 - t^2 from the rounded t would cancel where tanh
+        saturates."""
+        w = self.weight[cols]
+        z = xc @ w.t() if self.bias is None else torch.addmm(self.bias[cols], xc, w.t())
         cap_factor = None
         if self.softcap is not None:
             z.div_(self.softcap)
             if with_cap_factor:  # (cosh overflows to inf past |u/c| ~ 89: the factor is 0)
                 cap_factor = torch.cosh(z).reciprocal_().square_()
             z.tanh_().mul_(self.softcap)
-        return xc, z, cap_factor
+        return z, cap_factor
 
-    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor, shifted=None) -> Tensor:
-        """Overwrites the chunk's logits ``z`` with dz (module docstring); ``cap_factor`` from
-        ``logits`` when a softcap is set. ``shifted = (m, s)`` with ``s = logsumexp(z - m)``
-        (lse = m + s): the log-probabilities are then (z - m) - s, which keeps the digits that
-        rounding m + s into one fp32 lse drops (at |lse| ~ 5 it rounds to 4.8e-7, all of
-        1 - p when p ~ 1 - 2e-7); without it, z - lse."""
+    def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor, shifted=None,
+                     cols: slice = slice(None)) -> Tensor:
+        """Overwrites the logits ``z`` (columns ``cols``) with dz (module docstring);
+        ``cap_factor`` from ``logits`` when a softcap is set; ``tgt`` the target's column within
+        ``cols`` where ``has_tgt``. ``shifted = (m, s)`` with ``s = logsumexp(z - m)`` over the
+        whole row (lse = m + s): the log-probabilities are then (z - m) - s, which keeps the
+        digits that rounding m + s into one fp32 lse drops (at |lse| ~ 5 it rounds to 4.8e-7,
+        all of 1 - p when p ~ 1 - 2e-7); without it, z - lse."""
         target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
         alpha = prob_c + 2 * lse_sq_c * lse
         rows = torch.arange(z.shape[0], device=z.device)
@@ -175,10 +217,27 @@ class _Chunker:
         if self.class_weight is None:
             z.sub_(smooth_c[:, None])
         else:
-            z.addr_(smooth_c, self.class_weight, alpha=-1)
+            z.addr_(smooth_c, self.class_weight[cols], alpha=-1)
         if cap_factor is not None:
             z.mul_(cap_factor)
         return z
+
+
+class _BlockStats(NamedTuple):
+    """Row statistics of one block: lse = m + log_s with m the row max (0 where it is not
+    finite) and log_s = logsumexp(z - m), kept apart for the nll and the gradient."""
+
+    finite: Tensor
+    m: Tensor
+    log_s: Tensor
+    target_logit: Tensor
+    weighted_sum: Optional[Tensor]
+    max_logit: Tensor
+    argmax: Tensor
+
+    @property
+    def lse(self) -> Tensor:
+        return self.m + self.log_s
 
 
 def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
@@ -188,6 +247,57 @@ def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
     finite = torch.isfinite(mx)
     m = torch.where(finite, mx, 0)
     return finite, m, torch.logsumexp(z - m[:, None], dim=1)
+
+
+def _tile_targets(tgt: Tensor, has_tgt: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
+    """(each row's target column within ``cols``, 0 where it is elsewhere; the mask of the rows
+    whose target is in ``cols``)."""
+    inside = has_tgt & (tgt >= cols.start) & (tgt < cols.stop)
+    return torch.where(inside, tgt - cols.start, 0), inside
+
+
+def _weighted_sum(ch: _Chunker, z: Tensor, cols: slice = slice(None)) -> Tensor:
+    return z.sum(1) if ch.class_weight is None else z @ ch.class_weight[cols]
+
+
+def _whole_row_stats(ch, z, tgt, has_tgt, with_weighted_sum) -> _BlockStats:
+    mx, am = z.max(dim=1)
+    finite, m, log_s = _shifted_lse(z, mx)
+    zt = torch.where(has_tgt, z.gather(1, tgt[:, None]).squeeze(1), 0)
+    ws = _weighted_sum(ch, z) if with_weighted_sum else None
+    return _BlockStats(finite, m, log_s, zt, ws, mx, am)
+
+
+def _tile_stats(ch, xc, tgt, has_tgt, cols, with_weighted_sum) -> _BlockStats:
+    """_whole_row_stats of the rows ``xc`` from vocabulary tiles of ``cols`` columns, one tile
+    of logits alive at a time: the log-sum-exp online (s = sum_j exp(z_j - m) rescaled by
+    exp(m_old - m_new) when a tile raises the running max m), the argmax keeping the first
+    column of the row max (a later tile wins only if strictly greater, or NaN)."""
+    vocab, r = ch.weight.shape[0], xc.shape[0]
+    m_run = torch.full((r,), float("-inf"), dtype=ch.acc, device=xc.device)
+    s = torch.zeros_like(m_run)
+    best, zt = m_run.clone(), torch.zeros_like(m_run)
+    am = torch.zeros(r, dtype=torch.long, device=xc.device)
+    ws = torch.zeros_like(m_run) if with_weighted_sum else None
+    for c0 in range(0, vocab, cols):
+        cs = slice(c0, min(vocab, c0 + cols))
+        z, _ = ch.logits(xc, cs)
+        tm, ti = z.max(dim=1)
+        take = (tm > best) | (tm.isnan() & ~best.isnan())
+        best, am = torch.where(take, tm, best), torch.where(take, ti + c0, am)
+        tl, inside = _tile_targets(tgt, has_tgt, cs)
+        zt = torch.where(inside, z.gather(1, tl[:, None]).squeeze(1), zt)
+        if ws is not None:
+            ws += _weighted_sum(ch, z, cs)
+        m_new = torch.maximum(m_run, tm)
+        shift = torch.where(torch.isfinite(m_new), m_new, 0)
+        # s is kept as it is where the running max is not finite: 0 while it is -inf (every
+        # exp so far was 0), inf or nan once a logit was +inf or nan
+        rescale = torch.where(torch.isfinite(m_run), torch.exp(m_run - shift), 1.0)
+        s = s * rescale + z.sub_(shift[:, None]).exp_().sum(1)
+        m_run = m_new
+    finite = torch.isfinite(m_run)
+    return _BlockStats(finite, torch.where(finite, m_run, 0), s.log(), zt, ws, best, am)
 
 
 def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in, coefs,
@@ -209,42 +319,64 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         max_logit = torch.zeros_like(lse)
         nll = torch.zeros_like(lse)
         argmax = torch.full((n,), ignore_index, dtype=torch.long, device=x.device)
+    # the gradient takes its probabilities from m + s where the row's own statistics are known
+    own_stats = stats_wanted or (lse_is_local and want_grads)
 
     rows_all = _processed_rows(target, ignore_index)
-    step = chunk_rows(vocab, acc, 2 if softcap is not None else 1, low_memory)
+    step, cols = block_shape(rows_all.numel(), vocab, x.shape[1], acc,
+                             2 if softcap is not None else 1, low_memory)
+    whole_rows = cols >= vocab
     for start in range(0, rows_all.numel(), step):
         rows = rows_all[start:start + step]
-        xc, z, cap_factor = ch.logits(rows, with_cap_factor=want_grads)
+        xc = ch.rows(rows)
         tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
-        shifted = None
+        st = None
+        if whole_rows:
+            z, cap_factor = ch.logits(xc, with_cap_factor=want_grads)
+            if own_stats:
+                st = _whole_row_stats(ch, z, tgt, has_tgt, stats_wanted and with_weighted_sum)
+        elif own_stats:
+            st = _tile_stats(ch, xc, tgt, has_tgt, cols, stats_wanted and with_weighted_sum)
         if stats_wanted:
-            mx, am = z.max(dim=1)
-            finite, m, s = _shifted_lse(z, mx)
-            shifted = (m, s)
-            lse_c = m + s
+            lse_c = st.lse
             lse.index_copy_(0, rows, lse_c)
-            zt = z.gather(1, tgt[:, None]).squeeze(1) * has_tgt
-            target_logit.index_copy_(0, rows, zt)
-            nll.index_copy_(0, rows, nll_from(finite, m, s, lse_c, zt, has_tgt))
+            target_logit.index_copy_(0, rows, st.target_logit)
+            nll.index_copy_(0, rows, nll_from(st.finite, st.m, st.log_s, lse_c,
+                                              st.target_logit, has_tgt))
             if with_weighted_sum:
-                ws = z.sum(1) if ch.class_weight is None else z @ ch.class_weight
-                weighted_sum.index_copy_(0, rows, ws)
-            max_logit.index_copy_(0, rows, mx)
-            argmax.index_copy_(0, rows, am)
+                weighted_sum.index_copy_(0, rows, st.weighted_sum)
+            max_logit.index_copy_(0, rows, st.max_logit)
+            argmax.index_copy_(0, rows, st.argmax)
         else:
             lse_c = lse_in.index_select(0, rows).to(acc)
-            if lse_is_local and want_grads:
-                shifted = _shifted_lse(z)[1:]
         if not want_grads:
             continue
-        dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, [c.index_select(0, rows) for c in coefs],
-                             cap_factor, shifted)
-        if dx is not None:
-            dx.index_copy_(0, rows, dz @ ch.weight)
-        if dw is not None:
-            dw.addmm_(dz.t(), xc)
-        if db is not None:
-            db.add_(dz.sum(0))
+        shifted = None if st is None else (st.m, st.log_s)
+        coefs_rows = [c.index_select(0, rows) for c in coefs]
+        if whole_rows:
+            dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, coefs_rows, cap_factor, shifted)
+            if dx is not None:
+                dx.index_copy_(0, rows, dz @ ch.weight)
+            if dw is not None:
+                dw.addmm_(dz.t(), xc)
+            if db is not None:
+                db.add_(dz.sum(0))
+            continue
+        # vocabulary tiles: the logits recomputed tile by tile; dW and db owned by the tiles
+        dx_c = torch.zeros_like(xc) if dx is not None else None
+        for c0 in range(0, vocab, cols):
+            cs = slice(c0, min(vocab, c0 + cols))
+            z, cap_factor = ch.logits(xc, cs, with_cap_factor=True)
+            tl, inside = _tile_targets(tgt, has_tgt, cs)
+            dz = ch.grad_logits_(z, lse_c, tl, inside, coefs_rows, cap_factor, shifted, cs)
+            if dx_c is not None:
+                dx_c.addmm_(dz, ch.weight[cs])
+            if dw is not None:
+                dw[cs].addmm_(dz.t(), xc)
+            if db is not None:
+                db[cs].add_(dz.sum(0))
+        if dx_c is not None:
+            dx.index_copy_(0, rows, dx_c)
 
     grads = (dx, dw, db)
     if round_grads:
@@ -293,7 +425,7 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     step = chunk_rows(vocab, ch.acc, 1, False)
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)
-        _, z, _ = ch.logits(rows)
+        z, _ = ch.logits(ch.rows(rows))
         _, m, s = _shifted_lse(z)  # (z - m) - s: the digits an fp32 lse = m + s would drop
         out[start:start + rows.numel()] = z.sub_(m[:, None]).sub_(s[:, None])
     return out

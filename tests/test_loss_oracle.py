@@ -1,6 +1,7 @@
 """linear_cross_entropy against the fp64 PyTorch oracle: values and every gradient."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -44,6 +45,9 @@ params = st.fixed_dictionaries({
     "softcap": st.sampled_from([None, 3.0, 30.0]),
     "grads": st.sampled_from(["all", "x", "head", "weight_only", "none"]),
     "target_dtype": st.sampled_from([torch.int64, torch.int32]),
+    # (rows per block, vocabulary columns per tile) forced on the PyTorch path: None keeps its
+    # own choice (whole rows); columns < V: the two-pass vocabulary tiles of low_memory
+    "blocks": st.sampled_from([None, (1, 1), (2, 3), (5, 40), (64, 2), (3, 1000)]),
 })
 
 
@@ -54,6 +58,14 @@ def _tol(dtype):
 @settings(max_examples=150, deadline=None)
 @given(p=params, seed=st.integers(0, 2**31 - 1))
 def test_matches_fp64_oracle(p, seed):
+    if p["blocks"] is None:
+        _check_against_oracle(p, seed)
+        return
+    with mock.patch.object(reference, "block_shape", lambda *args: p["blocks"]):
+        _check_against_oracle(p, seed)
+
+
+def _check_against_oracle(p, seed):
     x, W, b, t, cw = _case(p, seed)
     req = {"all": (1, 1, 1), "x": (1, 0, 0), "head": (0, 1, 1), "weight_only": (0, 1, 0),
            "none": (0, 0, 0)}[p["grads"]]
@@ -81,25 +93,51 @@ def test_matches_fp64_oracle(p, seed):
     want_grads = torch.autograd.grad(want, inputs, upstream, retain_graph=True)
     eager_grads = torch.autograd.grad(eager, inputs, upstream.to(eager.dtype))
     got_grads = torch.autograd.grad(got, inputs, upstream.to(got.dtype))
-    for gg, wg, eg in zip(got_grads, want_grads, eager_grads):
+    magnitudes = _gradient_term_magnitudes(x, W, b, t, cw, opts, upstream)
+    for inp, gg, wg, eg in zip(inputs, got_grads, want_grads, eager_grads):
         assert gg.dtype == p["dtype"] and gg.shape == wg.shape
         if torch.isnan(wg).any():  # mean over nothing: torch's grads are nan or 0 -- match either
             assert torch.isnan(gg).any() or torch.count_nonzero(gg) == 0
             continue
+        # A gradient that cancels (dx = dz @ W summing terms of both signs to far less than
+        # their size) is accurate to its terms' size, not its own: tol relative to that.
         # fp64 inputs: "eager" is the oracle itself, so rounding in a cancellation (p - 1 with
         # p = 1 - 1e-7) has nothing to hide behind; allow it at a few hundred fp64 ulps.
-        atol = 1e-30
+        atol = tol * magnitudes[id(inp)].norm().item() + 1e-30
         if p["dtype"] == torch.float64 and upstream.numel():
-            atol = 1e-13 * upstream.abs().max().item()
+            atol += 1e-13 * upstream.abs().max().item()
         assert_close(gg, wg, eg, tol, atol)
+
+
+def _gradient_term_magnitudes(x, W, b, t, cw, opts, upstream):
+    """{id(input): the magnitudes its gradient sums}: |dz| @ |W| for x, |dz|^T |x| for W,
+    sum |dz| for b, with dz the fp64 gradient of the loss (times ``upstream``) with respect to
+    the linear output z = x W^T + b."""
+    x64 = x.detach().double().reshape(-1, x.shape[-1])
+    W64 = W.detach().double()
+    z = torch.nn.functional.linear(x64, W64, None if b is None else b.detach().double())
+    z.requires_grad_(True)
+    eye = torch.eye(W.shape[0], dtype=torch.float64)  # the loss of the logits z themselves
+    loss = cross_entropy64(z.reshape(*x.shape[:-1], W.shape[0]), eye, t, class_weight=cw, **opts)
+    (dz,) = torch.autograd.grad(loss, z, upstream)
+    dz = dz.nan_to_num().abs()
+    out = {id(x): dz @ W64.abs(), id(W): dz.t() @ x64.abs()}
+    if b is not None:
+        out[id(b)] = dz.sum(0)
+    return out
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_many_chunks_match_one_chunk(monkeypatch, low_memory):
-    """Chunk boundaries (tiny budget: a few rows per chunk) do not change the result."""
-    monkeypatch.setattr(reference, "DEFAULT_CHUNK_BYTES", 3 * 97 * 4)
-    monkeypatch.setattr(reference, "LOW_MEMORY_CHUNK_BYTES", 2 * 97 * 4)
-    p = dict(shape=(41,), H=300, V=97, dtype=torch.float64, w_scale=4.0, bias=True,
+    """Block boundaries (tiny budgets: whole rows, 3 per chunk; low_memory: vocabulary tiles
+    of 5 rows by 20 columns) do not change the result."""
+    monkeypatch.setattr(reference, "DEFAULT_CHUNK_BYTES", 3 * 97 * 8 * 2)
+    monkeypatch.setattr(reference, "MIN_CHUNK_ROWS", 3)
+    monkeypatch.setattr(reference, "LOW_MEMORY_CHUNK_BYTES", 5 * 40 * 8)
+    monkeypatch.setattr(reference, "MIN_TILE_COLS", 8)
+    assert reference.block_shape(25, 97, 40, torch.float64, 2, low_memory) == (
+        (5, 20) if low_memory else (3, 97))
+    p = dict(shape=(41,), H=40, V=97, dtype=torch.float64, w_scale=4.0, bias=True,
              bias_scale=5.0, ignore_frac=0.4, ignore_index=-100, class_weight=True)
     x, W, b, t, cw = _case(p, torch.seed() % 2**31)
     for r in (x, W, b):
@@ -110,6 +148,20 @@ def test_many_chunks_match_one_chunk(monkeypatch, low_memory):
     assert rel_err(got, want) < 1e-12
     for gg, wg in zip(torch.autograd.grad(got, (x, W, b)), torch.autograd.grad(want, (x, W, b))):
         assert rel_err(gg, wg) < 1e-11
+
+
+
+@pytest.mark.parametrize("rows,vocab,hidden,low_memory,want", [
+    (1024, 30522, 1024, False, (274, 30522)),   # whole rows: the 32 MiB budget holds 274
+    (10, 128256, 4096, False, (65, 128256)),    # ... or every row
+    (512, 128256, 4096, False, (512, 16384)),   # tiles: 32 MiB of logits
+    (512, 128256, 4096, True, (256, 4096)),     # 4 MiB of logits, 4 MiB of inputs
+    (1024, 30522, 1024, True, (1024, 1024)),
+    (20, 30522, 1024, True, (34, 30522)),       # the budget holds every row: whole rows
+    (300, 30522, 16384, True, (64, 16384)),  # inputs of 64 rows fill the budget
+])
+def test_block_shape(rows, vocab, hidden, low_memory, want):
+    assert reference.block_shape(rows, vocab, hidden, torch.float32, 1, low_memory) == want
 
 
 def test_module_and_nn_linear_forms_agree():

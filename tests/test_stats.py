@@ -2,9 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
 import fused_ce
+from fused_ce import reference
 from tests.oracle import cross_entropy64, logits64, rel_err
 
 
@@ -59,3 +61,63 @@ def test_module_return_stats_and_backward():
     s.loss.backward()
     want = cross_entropy64(x, W, t)
     assert rel_err(x.grad, torch.autograd.grad(want, x)[0]) < 1e-5
+
+
+
+TILES = [(1, 1), (4, 3), (7, 10), (64, 52)]  # (rows per block, vocabulary columns per tile)
+
+
+@pytest.mark.parametrize("blocks", TILES)
+def test_stats_from_vocabulary_tiles(monkeypatch, blocks):
+    """low_memory's vocabulary tiles (forced small): the online log-sum-exp with a running max
+    that moves (large biases), argmax ties across tiles broken to the first column, the target
+    logit found in its tile, the loss and its gradients."""
+    monkeypatch.setattr(reference, "block_shape", lambda *args: blocks)
+    torch.manual_seed(torch.seed() % 2**31)
+    x = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(53, 6, dtype=torch.float64) * 3
+    b = torch.randn(53, dtype=torch.float64) * 40
+    W[[31, 5, 49]] = 0.0
+    b[[31, 5, 49]] = 400.0  # classes 5, 31 and 49 tie for the max of every row
+    t = torch.randint(0, 53, (11,))
+    t[2], t[6] = -100, 49
+    s = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction="none", low_memory=True,
+                                      return_stats=True)
+    z = logits64(x, W, b)
+    valid = t != -100
+    assert rel_err(s.lse[valid], torch.logsumexp(z, -1)[valid]) < 1e-13
+    assert (s.predicted[valid] == 5).all() and (s.predicted[~valid] == -100).all()
+    assert not s.correct[6]
+    want = cross_entropy64(x, W, t, bias=b, reduction="none")
+    assert rel_err(s.loss, want) < 1e-13
+    g = torch.rand(11, dtype=torch.float64)
+    assert rel_err(torch.autograd.grad(s.loss, x, g)[0], torch.autograd.grad(want, x, g)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("blocks", TILES)
+@pytest.mark.parametrize("column,value", [(12, float("nan")), (40, float("inf")),
+                                          (7, float("-inf")), (None, float("-inf"))])
+def test_non_finite_logits_in_vocabulary_tiles(monkeypatch, blocks, column, value):
+    """A NaN or infinite logit in one tile reaches the row's lse, argmax and loss as in torch
+    (column None: every logit is -inf)."""
+    monkeypatch.setattr(reference, "block_shape", lambda *args: blocks)
+    torch.manual_seed(torch.seed() % 2**31)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    W = torch.randn(53, 6, dtype=torch.float64)
+    b = torch.randn(53, dtype=torch.float64) * 40
+    if column is None:
+        b[:] = value
+    else:
+        b[column] = value
+    t = torch.randint(0, 53, (9,))
+    t[4] = -100
+    s = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction="none", low_memory=True,
+                                      return_stats=True)
+    z = logits64(x, W, b)
+    valid = t != -100
+    torch.testing.assert_close(s.lse[valid], torch.logsumexp(z, -1)[valid], equal_nan=True,
+                               rtol=1e-13, atol=0)
+    assert torch.equal(s.predicted[valid], z.argmax(-1)[valid])
+    want = cross_entropy64(x, W, t, bias=b, reduction="none")
+    # (a confident row's loss lse - z_t is a cancellation of logits of ~100: fp64 ulps of those)
+    torch.testing.assert_close(s.loss, want, equal_nan=True, rtol=1e-13, atol=1e-12)
