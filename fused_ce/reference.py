@@ -249,6 +249,11 @@ def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
     return finite, m, torch.logsumexp(z - m[:, None], dim=1)
 
 
+def _tiles(vocab: int, cols: int) -> list[slice]:
+    """The vocabulary's tiles of ``cols`` columns (the last one narrower)."""
+    return [slice(c0, min(vocab, c0 + cols)) for c0 in range(0, vocab, cols)]
+
+
 def _tile_targets(tgt: Tensor, has_tgt: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
     """(each row's target column within ``cols``, 0 where it is elsewhere; the mask of the rows
     whose target is in ``cols``)."""
@@ -279,12 +284,11 @@ def _tile_stats(ch, xc, tgt, has_tgt, cols, with_weighted_sum) -> _BlockStats:
     best, zt = m_run.clone(), torch.zeros_like(m_run)
     am = torch.zeros(r, dtype=torch.long, device=xc.device)
     ws = torch.zeros_like(m_run) if with_weighted_sum else None
-    for c0 in range(0, vocab, cols):
-        cs = slice(c0, min(vocab, c0 + cols))
+    for cs in _tiles(vocab, cols):
         z, _ = ch.logits(xc, cs)
         tm, ti = z.max(dim=1)
         take = (tm > best) | (tm.isnan() & ~best.isnan())
-        best, am = torch.where(take, tm, best), torch.where(take, ti + c0, am)
+        best, am = torch.where(take, tm, best), torch.where(take, ti + cs.start, am)
         tl, inside = _tile_targets(tgt, has_tgt, cs)
         zt = torch.where(inside, z.gather(1, tl[:, None]).squeeze(1), zt)
         if ws is not None:
@@ -353,20 +357,11 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             continue
         shifted = None if st is None else (st.m, st.log_s)
         coefs_rows = [c.index_select(0, rows) for c in coefs]
-        if whole_rows:
-            dz = ch.grad_logits_(z, lse_c, tgt, has_tgt, coefs_rows, cap_factor, shifted)
-            if dx is not None:
-                dx.index_copy_(0, rows, dz @ ch.weight)
-            if dw is not None:
-                dw.addmm_(dz.t(), xc)
-            if db is not None:
-                db.add_(dz.sum(0))
-            continue
-        # vocabulary tiles: the logits recomputed tile by tile; dW and db owned by the tiles
+        # whole rows: one tile, its logits from above; else each tile's logits recomputed
         dx_c = torch.zeros_like(xc) if dx is not None else None
-        for c0 in range(0, vocab, cols):
-            cs = slice(c0, min(vocab, c0 + cols))
-            z, cap_factor = ch.logits(xc, cs, with_cap_factor=True)
+        for cs in _tiles(vocab, cols):
+            if not whole_rows:
+                z, cap_factor = ch.logits(xc, cs, with_cap_factor=True)
             tl, inside = _tile_targets(tgt, has_tgt, cs)
             dz = ch.grad_logits_(z, lse_c, tl, inside, coefs_rows, cap_factor, shifted, cs)
             if dx_c is not None:
