@@ -111,9 +111,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -> int:
     """Rows per chunk so that `buffers` logits-sized chunks stay within the workspace budget."""
-    budget = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
-    per_row = max(1, vocab) * torch.finfo(dtype).bits // 8 * buffers
-    return max(1, budget // per_row)
+    per_row = max(1, vocab) * _itemsize(dtype) * buffers
+    return max(1, _budget(low_memory) // per_row)
+
+
+def _budget(low_memory: bool) -> int:
+    return LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
 
 
 def block_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, buffers: int,
@@ -128,11 +135,10 @@ def block_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, buffers:
     cost more: CPU GEMMs over few rows run up to 1.5x slower, and each chunk re-reads and
     re-writes the whole fp32 dW (2 GiB at Llama-3's head), where a block of tiles does so once.
     """
-    budget = LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
     whole = chunk_rows(vocab, dtype, buffers, low_memory)
     if whole >= min(rows, MIN_CHUNK_ROWS):
         return whole, vocab
-    itemsize = torch.finfo(dtype).bits // 8
+    budget, itemsize = _budget(low_memory), _itemsize(dtype)
     block = max(1, min(rows, budget // (max(1, hidden) * itemsize),
                        budget // (MIN_TILE_COLS * itemsize * buffers)))
     cols = max(1, budget // (block * itemsize * buffers))
