@@ -169,10 +169,12 @@ class _Chunker:
     their gradients, sharing one code path between ``forward`` (lse from the same pass) and
     ``backward`` (lse given)."""
 
-    def __init__(self, x, weight, bias, class_weight, softcap):
+    def __init__(self, x, weight, bias, class_weight, softcap, whole_rows: bool):
         self.acc = accumulation_dtype(x.dtype)
-        # One up-cast copy of the weight (a no-op for fp32/fp64) keeps every GEMM in `acc`.
-        self.weight = weight.to(self.acc)
+        # Every GEMM runs in `acc`. Whole rows use one up-cast copy of the weight (a no-op for
+        # fp32/fp64); tiles up-cast one tile at a time, so that a 16-bit weight adds no
+        # V x H fp32 copy to the workspace (weight_tile).
+        self.weight = weight.to(self.acc) if whole_rows else weight
         self.bias = None if bias is None else bias.to(self.acc)
         self.class_weight = None if class_weight is None else class_weight.to(self.acc)
         self.softcap = softcap
@@ -182,12 +184,17 @@ class _Chunker:
         """The input rows ``rows``, in the accumulation dtype."""
         return self.x.index_select(0, rows).to(self.acc)
 
-    def logits(self, xc: Tensor, cols: slice = slice(None), with_cap_factor: bool = False):
+    def weight_tile(self, cols: slice) -> Tensor:
+        """The weight's rows ``cols`` in the accumulation dtype."""
+        return self.weight[cols].to(self.acc)
+
+    def logits(self, xc: Tensor, cols: slice = slice(None), with_cap_factor: bool = False,
+               w: Optional[Tensor] = None):
         """(logits of the rows ``xc`` in the vocabulary columns ``cols``, the softcap's derivative
-        or None). With a softcap c the derivative d(c tanh(u/c))/du = 1 - tanh^2(u/c) is computed
-        as sech^2(u/c) from the raw logits: 1 - t^2 from the rounded t would cancel where tanh
-        saturates."""
-        w = self.weight[cols]
+        or None); ``w``: weight_tile(cols) when the caller has it. With a softcap c the
+        derivative d(c tanh(u/c))/du = 1 - tanh^2(u/c) is computed as sech^2(u/c) from the raw
+        logits: 1 - t^2 from the rounded t would cancel where tanh saturates."""
+        w = self.weight_tile(cols) if w is None else w
         z = xc @ w.t() if self.bias is None else torch.addmm(self.bias[cols], xc, w.t())
         cap_factor = None
         if self.softcap is not None:
@@ -314,8 +321,12 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
          with_weighted_sum, need_dx, need_dw, need_db, low_memory, lse_is_local=False,
          round_grads=True):
     n, vocab = x.shape[0], weight.shape[0]
-    ch = _Chunker(x, weight, bias, class_weight, softcap)
-    acc = ch.acc
+    acc = accumulation_dtype(x.dtype)
+    rows_all = _processed_rows(target, ignore_index)
+    step, cols = block_shape(rows_all.numel(), vocab, x.shape[1], acc,
+                             2 if softcap is not None else 1, low_memory)
+    whole_rows = cols >= vocab
+    ch = _Chunker(x, weight, bias, class_weight, softcap, whole_rows)
     want_grads = coefs is not None and (need_dx or need_dw or need_db)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if want_grads and need_dx else None
     dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
@@ -332,10 +343,6 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     # the gradient takes its probabilities from m + s where the row's own statistics are known
     own_stats = stats_wanted or (lse_is_local and want_grads)
 
-    rows_all = _processed_rows(target, ignore_index)
-    step, cols = block_shape(rows_all.numel(), vocab, x.shape[1], acc,
-                             2 if softcap is not None else 1, low_memory)
-    whole_rows = cols >= vocab
     for start in range(0, rows_all.numel(), step):
         rows = rows_all[start:start + step]
         xc = ch.rows(rows)
@@ -366,12 +373,13 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         # whole rows: one tile, its logits from above; else each tile's logits recomputed
         dx_c = torch.zeros_like(xc) if dx is not None else None
         for cs in _tiles(vocab, cols):
+            w_cs = ch.weight_tile(cs)
             if not whole_rows:
-                z, cap_factor = ch.logits(xc, cs, with_cap_factor=True)
+                z, cap_factor = ch.logits(xc, cs, with_cap_factor=True, w=w_cs)
             tl, inside = _tile_targets(tgt, has_tgt, cs)
             dz = ch.grad_logits_(z, lse_c, tl, inside, coefs_rows, cap_factor, shifted, cs)
             if dx_c is not None:
-                dx_c.addmm_(dz, ch.weight[cs])
+                dx_c.addmm_(dz, w_cs)
             if dw is not None:
                 dw[cs].addmm_(dz.t(), xc)
             if db is not None:
@@ -422,7 +430,7 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``log_softmax(x @ weight.T + bias, -1)`` in ``x``'s dtype, one row chunk at a time."""
     n, vocab = x.shape[0], weight.shape[0]
     out = torch.empty((n, vocab), dtype=x.dtype, device=x.device)
-    ch = _Chunker(x, weight, bias, None, None)
+    ch = _Chunker(x, weight, bias, None, None, whole_rows=True)
     step = chunk_rows(vocab, ch.acc, 1, False)
     for start in range(0, n, step):
         rows = torch.arange(start, min(n, start + step), device=x.device)

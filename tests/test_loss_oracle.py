@@ -164,6 +164,48 @@ def test_block_shape(rows, vocab, hidden, low_memory, want):
     assert reference.block_shape(rows, vocab, hidden, torch.float32, 1, low_memory) == want
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_tiles_upcast_a_16bit_weight_one_tile_at_a_time(monkeypatch, low_memory):
+    """With vocabulary tiles a bf16 weight is up-cast one tile at a time: the workspace holds no
+    V x H fp32 copy of it (low_memory stays O(rows) for 16-bit models on CPU). The result equals
+    the whole-rows one up to fp32 summation order, and fp64's up to the gradients' rounding."""
+    kept, tiles = [], []
+    init, weight_tile = reference._Chunker.__init__, reference._Chunker.weight_tile
+
+    def spy_init(self, *args):
+        init(self, *args)
+        kept.append(self.weight)
+
+    def spy_tile(self, cols):
+        out = weight_tile(self, cols)
+        tiles.append((tuple(out.shape), out.dtype))
+        return out
+
+    torch.manual_seed(torch.seed() % 2**31)
+    n, h, v = 33, 40, 301
+    x = torch.randn(n, h).bfloat16().requires_grad_()
+    W = (torch.randn(v, h) / 4).bfloat16().requires_grad_()
+    b = torch.randn(v).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,))
+    t[:5] = -100
+    opts = dict(linear_bias=b, label_smoothing=0.1, low_memory=low_memory)
+    whole = fused_ce.linear_cross_entropy(x, W, t, **opts)
+    g_whole = torch.autograd.grad(whole, (x, W, b))
+    monkeypatch.setattr(reference, "block_shape", lambda *args: (7, 50))
+    monkeypatch.setattr(reference._Chunker, "__init__", spy_init)
+    monkeypatch.setattr(reference._Chunker, "weight_tile", spy_tile)
+    tiled = fused_ce.linear_cross_entropy(x, W, t, **opts)
+    g_tiled = torch.autograd.grad(tiled, (x, W, b))
+    # the chunker kept the bf16 weight itself and up-cast tiles of at most 50 rows
+    assert kept and all(k.data_ptr() == W.data_ptr() and k.dtype == W.dtype for k in kept)
+    assert tiles and all(s[0] <= 50 and dt == torch.float32 for s, dt in tiles), tiles
+    want = cross_entropy64(x, W, t, bias=b, label_smoothing=0.1)
+    g_want = torch.autograd.grad(want, (x, W, b))
+    assert rel_err(tiled, whole) < 1e-6 and rel_err(tiled, want) < 1e-5
+    for gt, gw, g64 in zip(g_tiled, g_whole, g_want):
+        assert rel_err(gt, gw) < 2**-7 and rel_err(gt, g64) < 2**-7
+
+
 def test_module_and_nn_linear_forms_agree():
     torch.manual_seed(torch.seed() % 2**31)
     head = torch.nn.Linear(24, 37)
