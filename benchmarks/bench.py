@@ -48,10 +48,9 @@ SHAPES = {
     "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
 }
-CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_sweep", "fused_ce_lowmem",
-              "fused_ce_sweep_triton", "fused_ce_lowmem_triton", "kernels", "eager", "compile",
-              "liger", "cce",
-              "torch_lce", "floor"]
+CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
+              "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton", "fused_ce_lowmem_triton", "kernels",
+              "eager", "compile", "liger", "cce", "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
 MiB = 2**20
 
@@ -106,6 +105,20 @@ def method_fn(name, kind, x, w, b, t):
                 config.ROW_CHUNKS = True
                 config.LIBRARY_PRODUCTS = True
         return run
+    if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
+        # the row-chunk path with its logits by cuBLAS (fp32 Z) and finish_rows_kernel, or by
+        # the Triton GEMM with the softmax epilogue (kernels/logits_tiles.py)
+        from fused_ce.kernels import config
+        lce, _ = _fused_api()
+
+        def run_logits_variant():
+            default = config.LOGITS_EPILOGUE
+            config.LOGITS_EPILOGUE = name == "fused_ce_epilogue"
+            try:
+                return lce(x, w, t, linear_bias=b)
+            finally:
+                config.LOGITS_EPILOGUE = default
+        return run_logits_variant
     if name == "eager":
         if kind == "logsoftmax":
             return lambda: F.log_softmax(F.linear(x, w, b), -1)

@@ -269,14 +269,17 @@ def test_argmax_ties_take_first_column(grad_path):
     assert torch.equal(out.max_logit.double(), exact.max(1).values)
 
 
-def test_confident_targets_keep_their_digits(grad_path):
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_confident_targets_keep_their_digits(grad_path, epilogue, monkeypatch):
     """nll = lse - z_t for targets holding nearly all the probability (nll ~1e-7): within twice
-    eager fp32's own error of the fp64 value, on both paths. (An fp32 lse minus z_t is off by
+    eager fp32's own error of the fp64 value, on both paths (the row chunks with
+    finish_rows_kernel, or with ``epilogue`` logits_tiles.py). (An fp32 lse minus z_t is off by
     ~100 % here: lse's rounding at |lse| ~ 5 is ~5e-7; eager's error is ~25 %.)"""
     from tests.oracle import near_oracle
 
     g = _gen()
-    n, h, v = 33, 5, 3
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
+    n, h, v = 33, 8, 3
     x = torch.randn(n, h, generator=g)
     w = torch.randn(v, h, generator=g) * 0.1
     b = torch.tensor([-5.0, -21.0, -22.0]) + 0.3 * torch.rand(v, generator=g)
@@ -358,6 +361,41 @@ def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
                             **{**kw, "coefs": GradCoefs(*map(_d, co))})
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
     _check_grads(ours, ref._asdict(), x, w, b, TOL[dtype]["grads"], (True, True, True))
+    assert (ours.dx[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("n,h,v", [(1, 52, 37), (45, 52, 101), (90, 48, 71)])
+@pytest.mark.parametrize("bias,class_weight,budget", [(True, False, 7 * 128 * 4),
+                                                      (False, True, 7 * 128 * 4),
+                                                      (True, True, 2**20)])
+def test_logits_tiles_path(n, h, v, bias, class_weight, budget, monkeypatch):
+    """The row-chunk path with the softmax's first pass in the logits GEMM's epilogue
+    (logits_tiles.py; here with fp32 E): H not a multiple of the K tile (52; the descriptors
+    read zeros past it), N = 1, V prime, several chunks or one, with and without bias and class
+    weights (the weighted sum per tile), ignored rows and out-of-shard targets."""
+    from fused_ce.kernels import logits_tiles
+
+    used = []
+    real = logits_tiles.TileStats.logits
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, *a: used.append(1) or real(self, *a))
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    g = _gen()
+    # (the one row of N = 1 is not ignored: the path must run)
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, class_weight=class_weight,
+                             ignored=0.25 if n > 1 else 0.0, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert used, "the epilogue path did not run"
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
+    like_b = b if b is not None else w
+    _check_grads(ours, ref._asdict(), x, w, like_b, 1e-5, (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
 
 

@@ -34,7 +34,8 @@ def _loss64(x, w, b, t):
     return F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t)
 
 
-@pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "eager", "torch_lce"])
+@pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "fused_ce_fp32z",
+                                    "fused_ce_epilogue", "eager", "torch_lce"])
 def test_bench_methods_compute_the_loss(method):
     bench = _load("bench")
     x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))

@@ -21,6 +21,10 @@ GPU = {
     "scan": dict(BLOCK=1024, PART_BLOCK=1024),
     # scale.py: elements per program of the backward's in-place gradient scaling
     "scale": dict(BLOCK=4096, num_warps=4),
+    # logits_tiles.py: the persistent logits GEMM with the softmax epilogue (one program per
+    # SM), and the per-row finish over TILES vocabulary tiles per step
+    "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=False,
+                         finish_tiles=8, finish_warps=8),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -38,6 +42,8 @@ INTERPRETER = {
     "row_finish": dict(BLOCK_V=32, num_warps=1),
     "scan": dict(BLOCK=16, PART_BLOCK=2),
     "scale": dict(BLOCK=16, num_warps=1),
+    "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
+                         finish_tiles=2, finish_warps=1, programs=3),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20
@@ -55,6 +61,11 @@ ROW_CHUNK_BYTES_MAX = 2**30
 ROW_CHUNKS_FEW = 4
 ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
+# The row-chunk path's logits by a Triton GEMM whose epilogue does the softmax's first pass
+# (logits_tiles.py) where it applies (bf16, no softcap), instead of cuBLAS + finish_rows_kernel.
+# Off until it has been measured against that path on the H200 (bench method
+# fused_ce_epilogue vs fused_ce_fp32z; NOTES.md #38).
+LOGITS_EPILOGUE = False
 # The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True

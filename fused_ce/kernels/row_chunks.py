@@ -42,9 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_ce.kernels import config
+from fused_ce.kernels import config, logits_tiles
 from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.row_loss import store_row_stats
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
 
@@ -62,27 +63,6 @@ def _finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _nll(mx, log_s, lse, zt, has_t):
-    """reference.nll_from for one row (NaN and +-inf maxima are not finite)."""
-    finite = tl.abs(mx) < float("inf")
-    return tl.where(finite & has_t, (mx - zt) + log_s, lse - zt)
-
-
-@triton.jit
-def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
-              WITH_WS: tl.constexpr):
-    """ops._row_loss for one row: prob lse - target z_t - smooth ws + lse_sq lse^2, or without
-    the weighted sum (prob = target) target nll + lse_sq lse^2."""
-    c_tgt = tl.load(c_tgt_ptr + row)
-    if WITH_WS:
-        loss = (tl.load(c_prob_ptr + row) * lse - c_tgt * zt
-                - tl.load(c_smooth_ptr + row) * ws)
-    else:
-        loss = c_tgt * nll
-    return loss + tl.load(c_lse_sq_ptr + row) * lse * lse
-
-
-@triton.jit
 def _fold_init(BLOCK_V: tl.constexpr):
     """Empty lane-wise accumulators of _fold_block: max, sum-exp, argmax, weighted sum."""
     return (tl.full((BLOCK_V,), float("-inf"), tl.float32), tl.zeros((BLOCK_V,), tl.float32),
@@ -93,7 +73,7 @@ def _fold_init(BLOCK_V: tl.constexpr):
 def _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS: tl.constexpr, HAS_CW: tl.constexpr):
     """Folds one block of a row's finished logits (columns ``cols``) into the lane-wise online
     log-sum-exp: lane l sees columns l, l + BLOCK_V, ...; each keeps its own running max m_l
-    and s_l = sum exp(z - m_l); _store_row_stats merges them once at the end (lse = M + log
+    and s_l = sum exp(z - m_l); store_row_stats merges them once at the end (lse = M + log
     sum_l s_l exp(m_l - M)). No cross-lane work here."""
     zm = tl.where(cols < V, z, float("-inf"))
     # strictly greater: a lane keeps its first maximum (columns ascend); NaN wins, so it
@@ -110,32 +90,6 @@ def _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS: tl.constexpr, HAS_CW
         else:
             ws += tl.where(cols < V, z, 0.0)
     return m_new, s, arg, ws
-
-
-@triton.jit
-def _store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
-                     c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
-                     WITH_WS: tl.constexpr):
-    """Merges _fold_block's lanes and writes the row's statistics and loss (``zt``: its
-    target's finished logit, 0 when the target is not a column here); returns its lse."""
-    mx = tl.max(m, 0)
-    # first column attaining the row max: the smallest lane-first index among the lanes
-    # whose max equals it (torch.argmax's tie rule)
-    am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
-    log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
-    lse = mx + log_s
-    has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
-    nll = _nll(mx, log_s, lse, zt, has_t)
-    ws_sum = tl.sum(ws, 0)
-    tl.store(lse_ptr + row, lse)
-    tl.store(zt_ptr + row, zt)
-    tl.store(nll_ptr + row, nll)
-    tl.store(ws_ptr + row, ws_sum)
-    tl.store(max_ptr + row, mx)
-    tl.store(am_ptr + row, am.to(tl.int64))
-    tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
-                                       c_prob_ptr, c_lse_sq_ptr, WITH_WS))
-    return lse
 
 
 @triton.jit
@@ -191,9 +145,9 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
         zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
                                               softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
-        lse = _store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
-                               c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
-                               am_ptr, nll_ptr, loss_ptr, WITH_WS)
+        lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
+                              c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
+                              am_ptr, nll_ptr, loss_ptr, WITH_WS)
     if NEED_D:
         alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
         c_tgt = tl.load(c_tgt_ptr + row)
@@ -369,7 +323,7 @@ def _db_rows(rows: int) -> int:
 
 
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
-                  out: _Outputs):
+                  out: _Outputs, tiles: bool):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
     freed on return). Nothing is
     launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
@@ -381,12 +335,16 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     split = split_weight(p.weight)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
-    # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a padded
-    # W, or never written; the kernel reads them, aligned, and masks them out)
     # (rows rounded up for the db product: DB_ROWS_ALIGN)
-    z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
-    # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
-    d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
+    if tiles:  # E, then D over it, in the input dtype (logits_tiles.py)
+        d = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=p.x.dtype, device=dev)
+        ts = logits_tiles.TileStats(p, d.shape[0], with_ws)
+    else:
+        # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
+        # padded W, or never written; the kernel reads them, aligned, and masks them out)
+        z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
+        # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
+        d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
     # dX's chunk product: straight into dX32 when every row is valid, else gathered rows
     dx_c = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
             if out.dx32 is not None and nv < n else None)
@@ -395,8 +353,11 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
-        for a, b in parts:
-            gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
+        if tiles:
+            ts.logits(p, xc, d, c0, bp, with_ws)
+        else:
+            for a, b in parts:
+                gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
         if c0 == 0:  # launched behind the first GEMM
             if nv < n:
                 out.zero_ignored(p)
@@ -404,14 +365,18 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
         # with db, D's rows [cc, db_rows(cc)) are zeroed by the same launch
-        finish_rows_kernel[(_db_rows(cc) if out.db32 is not None else cc,)](
-            z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
-            scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
-            out.nll, out.loss, v, v_pad, p.softcap_arg,
-            HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
-            HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
-            HAS_SCALE=scale is not None, D_OVER_Z=d.data_ptr() == z.data_ptr(),
-            BLOCK_V=fin["BLOCK_V"], num_warps=fin["num_warps"])
+        grid_rows = _db_rows(cc) if out.db32 is not None else cc
+        if tiles:
+            ts.finish(p, d, c0, cc, grid_rows, cf, out, with_ws, need_d)
+        else:
+            finish_rows_kernel[(grid_rows,)](
+                z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
+                scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
+                out.nll, out.loss, v, v_pad, p.softcap_arg,
+                HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
+                HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
+                HAS_SCALE=scale is not None, D_OVER_Z=d.data_ptr() == z.data_ptr(),
+                BLOCK_V=fin["BLOCK_V"], num_warps=fin["num_warps"])
         v_gemm = parts[-1][1]  # V, or v_pad with the padded copy (its columns past V are 0)
         dc = d[:cc, :v_gemm]
         if out.dx32 is not None:
@@ -448,7 +413,9 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
     d_scale = read()
     nv = p.n_valid_host
-    n_chunks, c = chunking(nv, v_pad * 4, v * h * 4)
+    tiles = logits_tiles.applicable(p, lse_in)
+    n_chunks, c = chunking(nv, logits_tiles.bytes_per_row(p, v_pad) if tiles else v_pad * 4,
+                           v * h * 4)
     if need_dw:
         # written, not added to, by the first chunk: no zero fill (2 GiB at Llama-3's head);
         # padded rows when several chunks run the GEMMs on the padded weight
@@ -458,7 +425,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
-                      lse_in is not None, bp, ones, out)
+                      lse_in is not None, bp, ones, out, tiles)
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
         for g in (out.dw32, out.db32):

@@ -1,0 +1,210 @@
+"""The row-chunk path's logits with the softmax's first pass in the GEMM's epilogue.
+
+Per chunk of c valid rows ``x_c`` (row_chunks.py runs the dX, dW and db products after it)::
+
+    logits_tiles_kernel    persistent over the (row tile, vocabulary tile) pairs; tl.dot on
+                           TMA-loaded tiles of x_c and W gives z = x_c W_tile^T (+ b) in fp32
+                           registers, and the epilogue writes
+                               E = exp(z - m_t)   in the input dtype, where D goes,
+                           with m_t the row's max over the tile, and per (row, tile) m_t,
+                           s_t = sum_j exp(z_j - m_t), the first column of m_t and (label
+                           smoothing) sum_j w_j z_j; the row's target logit z_t (fp32) comes
+                           from the tile that holds it
+    finish_tiles_kernel    per row: merges the tiles (lse = M + log sum_t s_t exp(m_t - M),
+                           M = max_t m_t), writes the statistics and the loss, and rewrites E
+                           in place as D = alpha exp(m_t - lse) E - c_tgt [j = t] - c_smooth w_j;
+                           the target's entry from the fp32 z_t, not from the rounded E
+
+Bytes per logit beyond the GEMM's inputs: E written, read, D written (3 x 2 for bf16), where
+the fp32 path (cuBLAS Z, finish_rows_kernel) moves 14: Z written, read twice, D written. D's
+non-target entries are rounded twice (E, then D), which the dX and dW products average over
+(each sums thousands of them) before their own single rounding.
+
+Used for bf16 inputs without a softcap (its derivative needs z, not E) and without a given lse;
+under the Triton interpreter (tests) for fp32 too, with E in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fused_ce.kernels import config
+from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.row_loss import store_row_stats
+
+
+@triton.jit
+def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
+                        M, V, H, m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr, n_tiles_v, n_progs,
+                        E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        FLATTEN: tl.constexpr):
+    """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
+    over the V columns (module doc); statistics at [r * n_tiles_v + tile]. ``n_progs``
+    programs (the grid) take the tiles in turn."""
+    n_m = tl.cdiv(M, BM)
+    for tile in tl.range(tl.program_id(0), n_m * n_tiles_v, n_progs, flatten=FLATTEN):
+        # the row tiles of one W tile run next to each other: W comes from HBM once
+        pid_m = tile % n_m
+        pid_n = tile // n_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, H, BK):  # (the descriptors read zeros past H, V and M)
+            a = x_desc.load([off_m, k])
+            b = w_desc.load([off_n, k])
+            if UPCAST:  # the interpreter's 16-bit dot is wrong (triton#11584)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        cols = off_n + tl.arange(0, BN)
+        rows = off_m + tl.arange(0, BM)
+        in_v = cols < V
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
+        zm = tl.where(in_v[None, :], z, float("-inf"))
+        # a NaN anywhere makes the tile's sum NaN (exp(NaN)), hence the row's lse
+        mt = tl.max(zm, 1)
+        e = tl.where(zm == float("-inf"), 0.0, tl.exp(zm - mt[:, None]))
+        st = tl.sum(e, 1)
+        at = tl.min(tl.where(zm == mt[:, None], cols[None, :], 2147483647), 1)
+        in_m = rows < M
+        stat = rows.to(tl.int64) * n_tiles_v + pid_n
+        tl.store(m_ptr + stat, mt, mask=in_m)
+        tl.store(s_ptr + stat, st, mask=in_m)
+        tl.store(a_ptr + stat, at, mask=in_m)
+        if WITH_WS:
+            if HAS_CW:
+                zw = z * tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
+            else:
+                zw = z
+            tl.store(ws_ptr + stat, tl.sum(tl.where(in_v[None, :], zw, 0.0), 1), mask=in_m)
+        tgt = tl.load(target_ptr + tl.load(row_idx_ptr + c0 + rows, mask=in_m, other=0),
+                      mask=in_m, other=-1)
+        here = in_m & (tgt >= off_n) & (tgt < off_n + BN) & (tgt < V)
+        zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+        tl.store(zt_ptr + rows, zt, mask=here)
+        e_desc.store([off_m, off_n], e.to(E_DTYPE))
+
+
+@triton.jit
+def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n_tiles_v,
+                        cw_ptr, target_ptr, row_idx_ptr, c0, n_rows, c_tgt_ptr, c_smooth_ptr,
+                        c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
+                        nll_ptr, loss_ptr, V, VPAD, HAS_CW: tl.constexpr,
+                        WITH_WS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                        TILES: tl.constexpr, BN: tl.constexpr):
+    """One program per chunk row r: the row's statistics and loss from its tiles, then D over
+    E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step. Programs
+    r >= n_rows write a zero row of D (padding rows for the db product)."""
+    r = tl.program_id(0).to(tl.int64)
+    e_row = e_ptr + r * lde
+    ti = tl.arange(0, TILES)
+    cj = tl.arange(0, BN)
+    if r >= n_rows:
+        for v0 in range(0, VPAD, TILES * BN):
+            cols = v0 + ti[:, None] * BN + cj[None, :]
+            tl.store(e_row + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
+                     mask=cols < VPAD)
+        return
+    row = tl.load(row_idx_ptr + c0 + r)
+    tgt = tl.load(target_ptr + row)
+    t = tl.arange(0, BLOCK_T)
+    in_t = t < n_tiles_v
+    stat = r * n_tiles_v + t
+    m = tl.load(m_ptr + stat, mask=in_t, other=float("-inf"))
+    s = tl.load(s_ptr + stat, mask=in_t, other=0.0)
+    arg = tl.load(a_ptr + stat, mask=in_t, other=0)
+    if WITH_WS:
+        ws = tl.load(ws_in_ptr + stat, mask=in_t, other=0.0)
+    else:
+        ws = tl.zeros((BLOCK_T,), tl.float32)
+    has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
+    zt = tl.where(has_t, tl.load(zt_in_ptr + r), 0.0)
+    lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                          c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                          loss_ptr, WITH_WS)
+    if NEED_D:
+        alpha = tl.load(c_prob_ptr + row) + 2.0 * lse * tl.load(c_lse_sq_ptr + row)
+        c_tgt = tl.load(c_tgt_ptr + row)
+        c_smooth = tl.load(c_smooth_ptr + row)
+        d_t = alpha * tl.exp(zt - lse) - c_tgt  # the target's entry, from the fp32 z_t
+        for v0 in range(0, VPAD, TILES * BN):
+            tiles = v0 // BN + ti
+            # p = E exp(m_t - lse): one exp per tile, not per logit
+            f = alpha * tl.exp(tl.load(m_ptr + r * n_tiles_v + tiles,
+                                       mask=tiles < n_tiles_v, other=0.0) - lse)
+            cols = v0 + ti[:, None] * BN + cj[None, :]
+            valid = cols < V
+            e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
+            dz = tl.where(cols == tgt, d_t, e * f[:, None])
+            if HAS_CW:
+                dz -= c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            else:
+                dz -= c_smooth
+            tl.store(e_row + cols, tl.where(valid, dz, 0.0).to(e_ptr.dtype.element_ty),
+                     mask=cols < VPAD)
+
+
+def applicable(p: Problem, lse_in) -> bool:
+    """bf16 CUDA inputs (or fp32 under the interpreter), no softcap, no given lse, rows the
+    TMA descriptors can address (16-byte aligned: H a multiple of 8)."""
+    if not config.LOGITS_EPILOGUE or lse_in is not None or p.softcap is not None:
+        return False
+    dtypes = (torch.bfloat16, torch.float32) if config.interpreting() else (torch.bfloat16,)
+    return (p.x.dtype in dtypes and p.weight.dtype == p.x.dtype
+            and p.H * p.x.element_size() % 16 == 0)
+
+
+def bytes_per_row(p: Problem, v_pad: int) -> int:
+    """Workspace bytes per chunk row: E (v_pad wide) and the tile statistics."""
+    return v_pad * p.x.element_size() + triton.cdiv(p.V, p.cfg["logits_tiles"]["BN"]) * 16
+
+
+class TileStats:
+    """The per-(row, tile) workspace of one call: chunks of up to ``rows`` rows."""
+
+    def __init__(self, p: Problem, rows: int, with_ws: bool):
+        cfg = p.cfg["logits_tiles"]
+        self.cfg = cfg
+        self.n_tiles = triton.cdiv(p.V, cfg["BN"])
+        f32 = dict(dtype=torch.float32, device=p.device)
+        self.m = torch.empty((rows, self.n_tiles), **f32)
+        self.s = torch.empty((rows, self.n_tiles), **f32)
+        self.a = torch.empty((rows, self.n_tiles), dtype=torch.int32, device=p.device)
+        self.ws = torch.empty((rows, self.n_tiles), **f32) if with_ws else self.m
+        self.zt = torch.empty(rows, **f32)
+        self.w_desc = TensorDescriptor.from_tensor(p.weight, [cfg["BN"], cfg["BK"]])
+
+    def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
+               with_ws: bool) -> None:
+        """E over e[:len(xc), :V] and the tile statistics of the chunk's rows."""
+        cfg, cc = self.cfg, xc.shape[0]
+        x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
+        e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], cfg["BN"]])
+        tiles = triton.cdiv(cc, cfg["BM"]) * self.n_tiles
+        progs = min(tiles, cfg["programs"] if config.interpreting()
+                    else config.sm_count(p.device))
+        logits_tiles_kernel[(progs,)](
+            x_desc, self.w_desc, e_desc, bias, p.cw_arg, p.target, p.row_idx, c0, cc, p.V, p.H,
+            self.m, self.s, self.a, self.ws, self.zt, self.n_tiles, progs,
+            E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
+            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+            UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+            FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, grid_rows: int, cf, out,
+               with_ws: bool, need_d: bool) -> None:
+        """The statistics and loss of the chunk's rows, D over E (rows [cc, grid_rows): zero)."""
+        cfg = self.cfg
+        finish_tiles_kernel[(grid_rows,)](
+            e, e.shape[1], self.m, self.s, self.a, self.ws, self.zt, self.n_tiles, p.cw_arg,
+            p.target, p.row_idx, c0, cc, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll,
+            out.loss, p.V, e.shape[1], HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+            NEED_D=need_d, BLOCK_T=triton.next_power_of_2(self.n_tiles),
+            TILES=cfg["finish_tiles"], BN=cfg["BN"], num_warps=cfg["finish_warps"])

@@ -1,0 +1,55 @@
+"""Per-row statistics and loss of the finish kernels (row_chunks.py, logits_tiles.py): merges
+lane- or tile-wise online log-sum-exp accumulators and writes a row's lse, target logit, nll,
+weighted sum, max, argmax and loss (ops.py's loss_i)."""
+
+import triton
+import triton.language as tl  # noqa: F401 (triton: the jit's namespace)
+
+
+@triton.jit
+def _nll(mx, log_s, lse, zt, has_t):
+    """reference.nll_from for one row (NaN and +-inf maxima are not finite)."""
+    finite = tl.abs(mx) < float("inf")
+    return tl.where(finite & has_t, (mx - zt) + log_s, lse - zt)
+
+
+@triton.jit
+def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
+              WITH_WS: tl.constexpr):
+    """ops._row_loss for one row: prob lse - target z_t - smooth ws + lse_sq lse^2, or without
+    the weighted sum (prob = target) target nll + lse_sq lse^2."""
+    c_tgt = tl.load(c_tgt_ptr + row)
+    if WITH_WS:
+        loss = (tl.load(c_prob_ptr + row) * lse - c_tgt * zt
+                - tl.load(c_smooth_ptr + row) * ws)
+    else:
+        loss = c_tgt * nll
+    return loss + tl.load(c_lse_sq_ptr + row) * lse * lse
+
+
+@triton.jit
+def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                    c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
+                    WITH_WS: tl.constexpr):
+    """Merges the lanes (row_chunks._fold_block's, or one per vocabulary tile: each a max m,
+    s = sum exp(z - m), the first column of m, a weighted sum) and writes the row's statistics
+    and loss (``zt``: its target's finished logit, 0 when the target is not a column here);
+    returns its lse."""
+    mx = tl.max(m, 0)
+    # first column attaining the row max: the smallest lane-first index among the lanes
+    # whose max equals it (torch.argmax's tie rule)
+    am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
+    log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+    lse = mx + log_s
+    has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
+    nll = _nll(mx, log_s, lse, zt, has_t)
+    ws_sum = tl.sum(ws, 0)
+    tl.store(lse_ptr + row, lse)
+    tl.store(zt_ptr + row, zt)
+    tl.store(nll_ptr + row, nll)
+    tl.store(ws_ptr + row, ws_sum)
+    tl.store(max_ptr + row, mx)
+    tl.store(am_ptr + row, am.to(tl.int64))
+    tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
+                                       c_prob_ptr, c_lse_sq_ptr, WITH_WS))
+    return lse
