@@ -49,8 +49,9 @@ SHAPES = {
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
 }
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
-              "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton", "fused_ce_lowmem_triton", "kernels",
-              "eager", "compile", "liger", "cce", "torch_lce", "floor"]
+              "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
+              "fused_ce_lowmem_triton", "kernels", "eager", "compile", "liger", "cce",
+              "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
 MiB = 2**20
 

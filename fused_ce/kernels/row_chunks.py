@@ -396,7 +396,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
 def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
-    sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row coefficients (gradients.row_coefs);
+    sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row
+    coefficients (gradients.row_coefs);
     ``read``: waits for the started host read of the valid count (kernels.CountRead), sets
     ``p.n_valid_host`` and returns D's scale; called once the launches that do not depend on it
     are queued; ``scale``: the power of two dz is stored
