@@ -97,6 +97,10 @@ _CASES += [(dt, False, cap, which) for dt in (torch.bfloat16, torch.float16)
            for cap in (None, 30.0) for which in ("row_chunks", "row_chunks_multi")]
 # the sweep's Triton products (bf16 and fp32 take cuBLAS by default; fp16 always Triton)
 _CASES += [(torch.bfloat16, low, None, "vocab_sweep_triton") for low in (False, True)]
+# the row chunks' logits by the Triton GEMM with the softmax epilogue (bf16, no softcap;
+# "row_chunks" cases force cuBLAS fp32 Z)
+_CASES += [(torch.bfloat16, False, None, w) for w in ("row_chunks_epilogue",
+                                                      "row_chunks_epilogue_multi")]
 
 
 @pytest.mark.parametrize("dtype,low_memory,softcap,which", _CASES)
@@ -106,8 +110,10 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
     if not which.startswith("vocab_sweep"):
         from fused_ce.kernels import row_chunks
         assert row_chunks.cublas_fp32_out_available(torch.device("cuda"))
-        if which == "row_chunks_multi":  # 3000 rows of 40 KiB: 4 chunks
-            monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 32 * 2**20)
+        epilogue = "epilogue" in which
+        monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
+        if which.endswith("_multi"):  # 3000 rows of 40 KiB (fp32 Z) or 20 KiB (E): 4 chunks
+            monkeypatch.setattr(config, "ROW_CHUNK_BYTES", (16 if epilogue else 32) * 2**20)
     n, h, v = 3000, 1024, 10007  # V prime, rows not a multiple of any tile
     x, w, b, t = _inputs(n, h, v, dtype)
     coefs = _mean_coefs(t, n)

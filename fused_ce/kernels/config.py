@@ -22,9 +22,11 @@ GPU = {
     # scale.py: elements per program of the backward's in-place gradient scaling
     "scale": dict(BLOCK=4096, num_warps=4),
     # logits_tiles.py: the persistent logits GEMM with the softmax epilogue (one program per
-    # SM), and the per-row finish over TILES vocabulary tiles per step
-    "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=False,
-                         finish_tiles=8, finish_warps=8),
+    # SM), and the per-row finish over TILES vocabulary tiles per step; "use": the row-chunk
+    # path's default logits (else cuBLAS fp32 Z + finish_rows_kernel). H100, same call
+    # (NOTES.md #38): BERT heads 3.90 vs 3.88-3.92 ms (8k tokens), 7.38 vs 7.08 (16k): not used
+    "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
+                         finish_tiles=8, finish_warps=8, use=False),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -32,6 +34,9 @@ GPU_WIDE = {
     **GPU,
     "logits": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    # the epilogue logits for wide heads: Gemma-2's head 53.7-54.7 vs 60.9-61.7 ms, Llama-3's
+    # 93.3 vs 93.5 (H100, same call; NOTES.md #38)
+    "logits_tiles": {**GPU["logits_tiles"], "use": True},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.
@@ -43,7 +48,7 @@ INTERPRETER = {
     "scan": dict(BLOCK=16, PART_BLOCK=2),
     "scale": dict(BLOCK=16, num_warps=1),
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
-                         finish_tiles=2, finish_warps=1, programs=3),
+                         finish_tiles=2, finish_warps=1, programs=3, use=False),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20
@@ -62,10 +67,10 @@ ROW_CHUNKS_FEW = 4
 ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
 # The row-chunk path's logits by a Triton GEMM whose epilogue does the softmax's first pass
-# (logits_tiles.py) where it applies (bf16, no softcap), instead of cuBLAS + finish_rows_kernel.
-# Off until it has been measured against that path on the H200 (bench method
-# fused_ce_epilogue vs fused_ce_fp32z; NOTES.md #38).
-LOGITS_EPILOGUE = False
+# (logits_tiles.py) where it applies (bf16, no softcap) instead of cuBLAS + finish_rows_kernel:
+# None takes the tile configuration's "use" (wide heads), True / False force either (the bench
+# methods fused_ce_epilogue / fused_ce_fp32z, tests).
+LOGITS_EPILOGUE = None
 # The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True
