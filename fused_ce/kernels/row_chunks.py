@@ -25,6 +25,11 @@ by the upstream gradient and rounds each element once (scale.py). Rounded here a
 there, a gradient would be rounded twice: on the H200 with an upstream gradient of 0.37, dX's
 error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
 
+Where logits_tiles.applicable (bf16, no softcap; by default for wide heads), the first two
+steps are instead a Triton logits GEMM whose epilogue writes E = exp(z - tile max) and the
+tiles' statistics, and a per-row kernel that writes the statistics and D over E (logits_tiles.py:
+6 bytes per logit instead of 14, and half the workspace per row).
+
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
 MiB up to 8k tokens, a quarter of the valid rows' fp32 logits beyond), the fp32 gradients
