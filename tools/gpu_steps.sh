@@ -1,10 +1,12 @@
 #!/bin/bash
-# Device calls of the seventh to ninth sessions. STEPS picks among: finish (the finish kernels alone), ab
-# (fused_ce and kernels, session start vs now, alternating in one call; ab_old/ is the session
+# Device calls of the seventh to twelfth sessions. STEPS picks among: finish (the finish
+# kernels alone), ab (fused_ce and kernels, session start vs now, alternating in one call; ab_old/ is the session
 # start tree: mkdir ab_old && git archive 13ce610 | tar -x -C ab_old), db (the db product's
 # cuBLAS kernel by row count), tests (GPU tests), bench (BERT shapes with peers), large
 # (Llama-3 / Gemma-2 shapes), upstream (gradient errors with a non-unit upstream gradient; eighth
-# session), finish_once (the one-read finish variants, tools/probe_finish_once.py; ninth).
+# session), finish_once (the one-read finish variants, tools/probe_finish_once.py; ninth),
+# epilogue_probe (tools/probe_persistent_logits.py) and epilogue (the row chunks' logits by
+# the epilogue GEMM vs cuBLAS fp32 Z, bench methods fused_ce_epilogue / fused_ce_fp32z; twelfth).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,4 +32,10 @@ large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes ll
 finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
           | tee "$OUT/finish_once.log" ;;
 upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;
+epilogue_probe) timeout 240 python3 tools/probe_persistent_logits.py \
+         --shapes ${PROBE_SHAPES:-bert2k,llama2k} 2>&1 | grep -v Warn | tee "$OUT/probe.log" ;;
+epilogue) timeout 300 python3 benchmarks/bench.py --out "$OUT/epilogue" $B \
+         --shapes ${EPILOGUE_SHAPES:-bert8k,mlm,bert16k,llama3,gemma2} \
+         --methods fused_ce_epilogue,fused_ce_fp32z 2>&1 | grep -v Warn \
+         | tee "$OUT/epilogue.log" | tail -12 ;;
 esac; done
