@@ -1,12 +1,17 @@
 #!/bin/bash
-# Device calls of the seventh to twelfth sessions. STEPS picks among: finish (the finish
-# kernels alone), ab (fused_ce and kernels, session start vs now, alternating in one call;
-# ab_old/ is the session start tree: mkdir ab_old && git archive 13ce610 | tar -x -C ab_old),
-# db (the db product's cuBLAS kernel by row count), tests (GPU tests), bench (BERT shapes
-# with peers), large (Llama-3 / Gemma-2 shapes), upstream (gradient errors with a non-unit upstream gradient; eighth
-# session), finish_once (the one-read finish variants, tools/probe_finish_once.py; ninth),
-# epilogue_probe (tools/probe_persistent_logits.py) and epilogue (the row chunks' logits by
-# the epilogue GEMM vs cuBLAS fp32 Z, bench methods fused_ce_epilogue / fused_ce_fp32z; twelfth).
+# Device calls of the seventh to twelfth sessions. STEPS picks among:
+#   finish          the finish kernels alone
+#   ab              fused_ce and kernels, session start vs now, alternating in one call (ab_old/
+#                   is the session start tree: mkdir ab_old && git archive REV | tar -x -C ab_old)
+#   db              the db product's cuBLAS kernel by row count
+#   tests           GPU tests
+#   bench           BERT shapes with peers
+#   large           Llama-3 / Gemma-2 shapes
+#   upstream        gradient errors with a non-unit upstream gradient (eighth session)
+#   finish_once     the one-read finish variants, tools/probe_finish_once.py (ninth)
+#   epilogue_probe  tools/probe_persistent_logits.py (twelfth)
+#   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
+#                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
