@@ -10,9 +10,10 @@ That pays only if the Triton GEMM runs at about cuBLAS's speed.
     python tools/probe_persistent_logits.py [--shapes bert2k,llama2k]
 
 Prints median ms and TFLOP/s, and the errors of E (relative, where E > 1e-20) and of the lse
-derived from the tile statistics against an fp32 reference. (H100, twelfth session: at 2048
-BERT rows 0.222 ms with BN 256, 3 stages and the flattened tile loop, cuBLAS fp32-out 0.222;
-a Triton GEMM writing fp32 Z without the epilogue took 0.256; results/h100_session12_*.)
+derived from the tile statistics against an fp32 reference. (H100, twelfth session, this
+probe's first version, with its own kernel whose epilogue wrote only E, the max and the sum-exp:
+at 2048 BERT rows 0.222 ms with BN 256, 3 stages and the flattened tile loop, cuBLAS fp32-out
+0.222; a Triton GEMM writing fp32 Z without an epilogue took 0.256; results/h100_session12_*.)
 """
 import argparse
 
