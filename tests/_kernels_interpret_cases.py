@@ -365,16 +365,21 @@ def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
 
 
 @pytest.mark.parametrize("n,h,v", [(1, 52, 37), (45, 52, 101), (90, 48, 71)])
-@pytest.mark.parametrize("bias,class_weight,budget", [(True, False, 7 * 128 * 4),
-                                                      (False, True, 7 * 128 * 4),
-                                                      (True, True, 2**20)])
-def test_logits_tiles_path(n, h, v, bias, class_weight, budget, monkeypatch):
+@pytest.mark.parametrize("bias,class_weight,budget,split", [(True, False, 7 * 128 * 4, 2),
+                                                            (False, True, 7 * 128 * 4, 2),
+                                                            (True, True, 2**20, 2),
+                                                            (True, True, 7 * 128 * 4, 1)])
+def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypatch):
     """The row-chunk path with the softmax's first pass in the logits GEMM's epilogue
     (logits_tiles.py; here with fp32 E): H not a multiple of the K tile (52; the descriptors
     read zeros past it), N = 1, V prime, several chunks or one, with and without bias and class
-    weights (the weighted sum per tile), ignored rows and out-of-shard targets."""
+    weights (the weighted sum per tile), ignored rows and out-of-shard targets; the epilogue on
+    the whole GEMM tile or on its two column halves (``split``; at each V here the last tile's
+    second half lies past V)."""
     from fused_ce.kernels import logits_tiles
 
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "split": split})
     used = []
     real = logits_tiles.TileStats.logits
     monkeypatch.setattr(logits_tiles.TileStats, "logits",

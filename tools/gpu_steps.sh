@@ -23,7 +23,7 @@ finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none
           | grep -v Warn | tee "$OUT/finish.log" ;;
 ab) for v in old new old new; do d=.; [ $v = old ] && d=ab_old
       echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
-        --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods fused_ce,kernels 2>&1 \
+        --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} 2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \

@@ -29,8 +29,9 @@ SHAPES = {  # rows of one chunk, H, V padded to 64
     "bert4k": (4096, 1024, 30272),
     "llama2k": (2048, 4096, 128256),
 }
-CONFIGS = [  # BM, BN, BK, warps, stages, flatten
-    (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
+CONFIGS = [  # BM, BN, BK, warps, stages, flatten, split (the epilogue's column parts)
+    (128, 128, 64, 8, 4, True, 1), (128, 256, 64, 8, 3, True, 1),
+    (128, 256, 64, 8, 3, True, 2), (128, 256, 64, 8, 4, True, 2),
 ]
 
 
@@ -61,29 +62,32 @@ def main():
               f"{flops / ms32 / 1e9:.0f} TF/s, bf16-out {ms16:.3f} ms {flops / ms16 / 1e9:.0f}",
               flush=True)
         ref = x.float() @ w.float().t()
-        for bm, bn, bk, nw, ns, flat in CONFIGS:
-            n_t = triton.cdiv(v, bn)
+        for bm, bn, bk, nw, ns, flat, split in CONFIGS:
+            bs = bn // split  # columns per statistics tile
+            n_t = triton.cdiv(v, bs)
             m, s = (torch.empty(c, n_t, device="cuda") for _ in range(2))
             a = torch.empty(c, n_t, device="cuda", dtype=torch.int32)
             zt = torch.empty(c, device="cuda")
             x_d = TensorDescriptor.from_tensor(x, [bm, bk])
             w_d = TensorDescriptor.from_tensor(w, [bn, bk])
-            e_d = TensorDescriptor.from_tensor(e, [bm, bn])
-            progs = min(sms, triton.cdiv(c, bm) * n_t)
+            e_d = TensorDescriptor.from_tensor(e, [bm, bs])
+            progs = min(sms, triton.cdiv(c, bm) * triton.cdiv(v, bn))
 
             def run():
-                logits_tiles_kernel[(progs,)](
+                return logits_tiles_kernel[(progs,)](
                     x_d, w_d, e_d, z, z, target, rows, 0, c, v, h, m, s, a, m, zt, n_t, progs,
                     E_DTYPE=tl.bfloat16, HAS_BIAS=False, HAS_CW=False, WITH_WS=False,
-                    UPCAST=False, BM=bm, BN=bn, BK=bk, FLATTEN=flat, num_warps=nw,
+                    UPCAST=False, BM=bm, BN=bn, BK=bk, SPLIT=split, FLATTEN=flat, num_warps=nw,
                     num_stages=ns)
-            tag = f"  BM{bm} BN{bn} w{nw} s{ns} flat{int(flat)}"
+            tag = f"  BM{bm} BN{bn} w{nw} s{ns} flat{int(flat)} split{split}"
             try:
+                k = run()
+                tag += f" regs {k.n_regs} spills {k.n_spills}"
                 ms = bench_ms(run)
             except Exception as err:  # noqa: BLE001 (shared memory, compile limits)
                 print(f"{tag}: failed {type(err).__name__}: {str(err)[:160]}", flush=True)
                 continue
-            e_ref = torch.exp(ref - m.repeat_interleave(bn, 1)[:, :v])
+            e_ref = torch.exp(ref - m.repeat_interleave(bs, 1)[:, :v])
             big = e_ref > 1e-20  # bf16 subnormals aside
             e_err = ((e.float() - e_ref).abs()[big] / e_ref[big]).max().item()
             lse_err = ((m + torch.log(s)).logsumexp(1) - ref.logsumexp(1)).abs().max().item()

@@ -25,8 +25,9 @@ GPU = {
     # SM), and the per-row finish over TILES vocabulary tiles per step; "use": the row-chunk
     # path's default logits (else cuBLAS fp32 Z + finish_rows_kernel). H100, same call
     # (NOTES.md #38): BERT heads 3.90 vs 3.88-3.92 ms (8k tokens), 7.38 vs 7.08 (16k): not used
+    # split: the epilogue's column parts (vocabulary tiles of BN / split columns)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
-                         finish_tiles=8, finish_warps=8, use=False),
+                         split=2, finish_tiles=16, finish_warps=8, use=False),
 }
 # Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
 # H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
@@ -48,7 +49,7 @@ INTERPRETER = {
     "scan": dict(BLOCK=16, PART_BLOCK=2),
     "scale": dict(BLOCK=16, num_warps=1),
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
-                         finish_tiles=2, finish_warps=1, programs=3, use=False),
+                         split=2, finish_tiles=2, finish_warps=1, programs=3, use=False),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

@@ -42,17 +42,23 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, ro
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        FLATTEN: tl.constexpr):
+                        SPLIT: tl.constexpr, FLATTEN: tl.constexpr):
     """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
-    over the V columns (module doc); statistics at [r * n_tiles_v + tile]. ``n_progs``
-    programs (the grid) take the tiles in turn."""
+    over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
+    BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
+    (the grid) take the (BM, BN) output tiles in turn."""
     n_m = tl.cdiv(M, BM)
-    for tile in tl.range(tl.program_id(0), n_m * n_tiles_v, n_progs, flatten=FLATTEN):
+    n_n = tl.cdiv(V, BN)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, n_progs, flatten=FLATTEN):
         # the row tiles of one W tile run next to each other: W comes from HBM once
         pid_m = tile % n_m
         pid_n = tile // n_m
         off_m = pid_m * BM
         off_n = pid_n * BN
+        rows = off_m + tl.arange(0, BM)
+        # (loaded before the K loop, whose time hides the two dependent loads' latency)
+        tgt = tl.load(target_ptr + tl.load(row_idx_ptr + c0 + rows, mask=rows < M, other=0),
+                      mask=rows < M, other=-1)
         acc = tl.zeros((BM, BN), tl.float32)
         for k in range(0, H, BK):  # (the descriptors read zeros past H, V and M)
             a = x_desc.load([off_m, k])
@@ -61,35 +67,57 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, ro
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
-        cols = off_n + tl.arange(0, BN)
-        rows = off_m + tl.arange(0, BM)
-        in_v = cols < V
-        z = acc
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
-        zm = tl.where(in_v[None, :], z, float("-inf"))
-        # a NaN anywhere makes the tile's sum NaN (exp(NaN)), hence the row's lse
-        mt = tl.max(zm, 1)
-        e = tl.where(zm == float("-inf"), 0.0, tl.exp(zm - mt[:, None]))
-        st = tl.sum(e, 1)
-        at = tl.min(tl.where(zm == mt[:, None], cols[None, :], 2147483647), 1)
-        in_m = rows < M
-        stat = rows.to(tl.int64) * n_tiles_v + pid_n
-        tl.store(m_ptr + stat, mt, mask=in_m)
-        tl.store(s_ptr + stat, st, mask=in_m)
-        tl.store(a_ptr + stat, at, mask=in_m)
-        if WITH_WS:
-            if HAS_CW:
-                zw = z * tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
-            else:
-                zw = z
-            tl.store(ws_ptr + stat, tl.sum(tl.where(in_v[None, :], zw, 0.0), 1), mask=in_m)
-        tgt = tl.load(target_ptr + tl.load(row_idx_ptr + c0 + rows, mask=in_m, other=0),
-                      mask=in_m, other=-1)
-        here = in_m & (tgt >= off_n) & (tgt < off_n + BN) & (tgt < V)
-        zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
-        tl.store(zt_ptr + rows, zt, mask=here)
-        e_desc.store([off_m, off_n], e.to(E_DTYPE))
+        # The epilogue runs on column halves of the accumulator when SPLIT = 2: a 128 x 256
+        # accumulator takes 128 of a thread's 255 registers, and full-width temporaries beside
+        # it spill to local memory.
+        if SPLIT == 1:
+            _tile_epilogue(acc, rows, tgt, off_m, off_n, pid_n, e_desc, bias_ptr, cw_ptr, M, V,
+                           m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE, HAS_BIAS,
+                           HAS_CW, WITH_WS, BN)
+        else:
+            z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            _tile_epilogue(z0, rows, tgt, off_m, off_n, 2 * pid_n, e_desc, bias_ptr, cw_ptr,
+                           M, V, m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE,
+                           HAS_BIAS, HAS_CW, WITH_WS, BN // 2)
+            # (in the last tile, this half may lie past V: tile n_tiles_v, nothing stored)
+            _tile_epilogue(z1, rows, tgt, off_m, off_n + BN // 2, 2 * pid_n + 1, e_desc,
+                           bias_ptr, cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr,
+                           n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS, BN // 2)
+
+
+@triton.jit
+def _tile_epilogue(z, rows, tgt, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_ptr, s_ptr,
+                   a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
+                   BS: tl.constexpr):
+    """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E and the statistics from the
+    fp32 logits z (without the bias). In place on z, and each (BM, BS) temporary ends before
+    the next begins (registers)."""
+    cols = off_n + tl.arange(0, BS)
+    in_v = cols < V
+    in_m = rows < tl.where(t < n_tiles_v, M, 0)  # no row of a tile past V
+    stat = rows.to(tl.int64) * n_tiles_v + t
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
+    here = in_m & (tgt >= off_n) & (tgt < off_n + BS) & (tgt < V)
+    tl.store(zt_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1),
+             mask=here)
+    if WITH_WS:
+        if HAS_CW:
+            cw = tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)
+        else:
+            cw = tl.where(in_v, 1.0, 0.0)
+        tl.store(ws_ptr + stat, tl.sum(z * cw[None, :], 1), mask=in_m)
+    z = tl.where(in_v[None, :], z, float("-inf"))
+    # a NaN anywhere makes the tile's sum NaN (exp(NaN)), hence the row's lse
+    mt = tl.max(z, 1)
+    tl.store(a_ptr + stat, tl.min(tl.where(z == mt[:, None], cols[None, :], 2147483647), 1),
+             mask=in_m)
+    # exp(-inf - m) = 0 past V; a row of -inf logits takes m = 0 here (not -inf - -inf = NaN)
+    e = tl.exp(z - tl.where(mt == float("-inf"), 0.0, mt)[:, None])
+    tl.store(m_ptr + stat, mt, mask=in_m)
+    tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
+    e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
 
 @triton.jit
@@ -167,7 +195,13 @@ def applicable(p: Problem, lse_in) -> bool:
 
 def bytes_per_row(p: Problem, v_pad: int) -> int:
     """Workspace bytes per chunk row: E (v_pad wide) and the tile statistics."""
-    return v_pad * p.x.element_size() + triton.cdiv(p.V, p.cfg["logits_tiles"]["BN"]) * 16
+    return v_pad * p.x.element_size() + triton.cdiv(p.V, tile_width(p.cfg["logits_tiles"])) * 16
+
+
+def tile_width(cfg: dict) -> int:
+    """Columns of a vocabulary tile of E and of the statistics: the GEMM tile's BN, cut in
+    ``split`` parts by the epilogue."""
+    return cfg["BN"] // cfg["split"]
 
 
 class TileStats:
@@ -176,7 +210,7 @@ class TileStats:
     def __init__(self, p: Problem, rows: int, with_ws: bool):
         cfg = p.cfg["logits_tiles"]
         self.cfg = cfg
-        self.n_tiles = triton.cdiv(p.V, cfg["BN"])
+        self.n_tiles = triton.cdiv(p.V, tile_width(cfg))
         f32 = dict(dtype=torch.float32, device=p.device)
         self.m = torch.empty((rows, self.n_tiles), **f32)
         self.s = torch.empty((rows, self.n_tiles), **f32)
@@ -190,8 +224,8 @@ class TileStats:
         """E over e[:len(xc), :V] and the tile statistics of the chunk's rows."""
         cfg, cc = self.cfg, xc.shape[0]
         x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
-        e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], cfg["BN"]])
-        tiles = triton.cdiv(cc, cfg["BM"]) * self.n_tiles
+        e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], tile_width(cfg)])
+        tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(p.V, cfg["BN"])
         progs = min(tiles, cfg["programs"] if config.interpreting()
                     else config.sm_count(p.device))
         logits_tiles_kernel[(progs,)](
@@ -200,7 +234,7 @@ class TileStats:
             E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
             HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-            FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, grid_rows: int, cf, out,
                with_ws: bool, need_d: bool) -> None:
@@ -211,4 +245,4 @@ class TileStats:
             p.target, p.row_idx, c0, cc, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll,
             out.loss, p.V, e.shape[1], HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             NEED_D=need_d, BLOCK_T=triton.next_power_of_2(self.n_tiles),
-            TILES=cfg["finish_tiles"], BN=cfg["BN"], num_warps=cfg["finish_warps"])
+            TILES=cfg["finish_tiles"], BN=tile_width(cfg), num_warps=cfg["finish_warps"])
