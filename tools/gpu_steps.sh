@@ -21,7 +21,7 @@ B="--rep-ms 200 --warmup-ms 50"
 for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
-ab) for v in old new old new; do d=.; [ $v = old ] && d=ab_old
+ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
       echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} 2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
