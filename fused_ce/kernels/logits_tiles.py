@@ -234,7 +234,8 @@ class TileStats:
             E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
             HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
 
     def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, grid_rows: int, cf, out,
                with_ws: bool, need_d: bool) -> None:
