@@ -7,7 +7,9 @@ the H100/H200 (sm_90), on any machine: no GPU needed, Triton's wheel ships ptxas
 A kernel that spills keeps part of its tile in local memory (L1/L2 traffic inside the epilogue);
 with a 128 x 256 fp32 accumulator (128 of a thread's 255 registers at 8 warps) one more live copy
 of the tile is enough. Prints one line per kernel and configuration: REG (registers per thread),
-STACK (bytes of local memory per thread: the spills), the dynamic shared memory in bytes.
+STACK (bytes of local memory per thread: the spills), the dynamic shared memory in bytes. It also
+catches code that the Triton interpreter (CI) runs but the compiler rejects (e.g. a jit function
+whose returns differ in type).
 """
 import os
 import re
@@ -21,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fused_ce.kernels import config, grad_logits, logits_tiles, row_stats  # noqa: E402
+from fused_ce.kernels import (config, grad_logits, logits_tiles, row_chunks,  # noqa: E402
+                              row_stats)
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
@@ -84,6 +87,16 @@ def logits_tiles_cases():
                cfg["finish_warps"], 1)
 
 
+def finish_rows_cases():
+    """The row-chunk path's finish kernel after cuBLAS's fp32 logits (BERT-class heads)."""
+    fin = config.CONFIG["gpu"]["row_finish"]
+    for cw in (False, True):
+        consts = dict(HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=cw, WITH_WS=True, NEED_D=True,
+                      LSE_IN=False, HAS_SCALE=False, D_OVER_Z=True, BLOCK_V=fin["BLOCK_V"])
+        yield (f"finish_rows_kernel gpu class weights {int(cw)}", row_chunks.finish_rows_kernel,
+               consts, {}, fin["num_warps"], 1)
+
+
 def sweep_cases():
     """The vocabulary sweeps' fused logits kernels (CUDA-graph capture, low_memory)."""
     for name in ("gpu", "gpu_wide"):
@@ -100,7 +113,8 @@ def sweep_cases():
 
 def main():
     print(f"triton {triton.__version__}, sm_90")
-    for label, fn, consts, desc, warps, stages in [*logits_tiles_cases(), *sweep_cases()]:
+    for label, fn, consts, desc, warps, stages in [*logits_tiles_cases(), *finish_rows_cases(),
+                                                     *sweep_cases()]:
         try:
             print(f"{label:48s} {usage(compile_sm90(fn, consts, desc, warps, stages))}",
                   flush=True)

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
 from fused_ce.kernels.problem import Problem
-from fused_ce.kernels.row_loss import store_row_stats
+from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
 
 
 @triton.jit
@@ -158,9 +158,8 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
                           c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
                           loss_ptr, WITH_WS)
     if NEED_D:
-        alpha = tl.load(c_prob_ptr + row) + 2.0 * lse * tl.load(c_lse_sq_ptr + row)
-        c_tgt = tl.load(c_tgt_ptr + row)
-        c_smooth = tl.load(c_smooth_ptr + row)
+        alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                                            c_lse_sq_ptr)
         d_t = alpha * tl.exp(zt - lse) - c_tgt  # the target's entry, from the fp32 z_t
         for v0 in range(0, VPAD, TILES * BN):
             tiles = v0 // BN + ti
@@ -170,11 +169,8 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
             cols = v0 + ti[:, None] * BN + cj[None, :]
             valid = cols < V
             e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
-            dz = tl.where(cols == tgt, d_t, e * f[:, None])
-            if HAS_CW:
-                dz -= c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-            else:
-                dz -= c_smooth
+            dz = (tl.where(cols == tgt, d_t, e * f[:, None])
+                  - smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW))
             tl.store(e_row + cols, tl.where(valid, dz, 0.0).to(e_ptr.dtype.element_ty),
                      mask=cols < VPAD)
 

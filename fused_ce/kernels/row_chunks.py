@@ -50,7 +50,7 @@ import triton.language as tl
 from fused_ce.kernels import config, logits_tiles
 from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem
-from fused_ce.kernels.row_loss import store_row_stats
+from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
 
@@ -101,11 +101,8 @@ def _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS: tl.constexpr, HAS_CW
 def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
           HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """dz of one row's logits (module doc of grad_logits.py), 0 on columns not ``valid``."""
-    dz = alpha * tl.exp(z - lse) - tl.where(cols == tgt, c_tgt, 0.0)
-    if HAS_CW:
-        dz -= c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0)
-    else:
-        dz -= c_smooth
+    dz = (alpha * tl.exp(z - lse) - tl.where(cols == tgt, c_tgt, 0.0)
+          - smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW))
     if HAS_SOFTCAP:
         u = z / softcap
         dz *= 1.0 - u * u
@@ -154,9 +151,8 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
                               c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
                               am_ptr, nll_ptr, loss_ptr, WITH_WS)
     if NEED_D:
-        alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
-        c_tgt = tl.load(c_tgt_ptr + row)
-        c_smooth = tl.load(c_smooth_ptr + row)
+        alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                                            c_lse_sq_ptr)
         scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes

@@ -1,6 +1,7 @@
-"""Per-row statistics and loss of the finish kernels (row_chunks.py, logits_tiles.py): merges
-lane- or tile-wise online log-sum-exp accumulators and writes a row's lse, target logit, nll,
-weighted sum, max, argmax and loss (ops.py's loss_i)."""
+"""Per-row statistics, loss and gradient coefficients of the finish kernels (row_chunks.py,
+logits_tiles.py): merges lane- or tile-wise online log-sum-exp accumulators and writes a row's
+lse, target logit, nll, weighted sum, max, argmax and loss (ops.py's loss_i); the per-row
+factors of its logits' gradient dz_j = alpha p_j - c_tgt [j = t] - c_smooth w_j."""
 
 import triton
 import triton.language as tl  # noqa: F401 (triton: the jit's namespace)
@@ -53,3 +54,21 @@ def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_p
     tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
                                        c_prob_ptr, c_lse_sq_ptr, WITH_WS))
     return lse
+
+
+@triton.jit
+def grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr):
+    """(alpha, c_tgt, c_smooth) of row ``row``'s dz: alpha = c_prob + 2 c_lse_sq lse (the z-loss
+    term lse_sq lse^2 differentiates to 2 lse_sq lse p_j)."""
+    alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
+    return alpha, tl.load(c_tgt_ptr + row), tl.load(c_smooth_ptr + row)
+
+
+@triton.jit
+def smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW: tl.constexpr):
+    """dz's label-smoothing term c_smooth w_j on columns ``cols`` (w_j: the class weights, 0
+    where not ``valid``; 1 without class weights)."""
+    term = c_smooth
+    if HAS_CW:  # (one return: Triton wants a single return type)
+        term = c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    return term
