@@ -150,7 +150,6 @@ def test_many_chunks_match_one_chunk(monkeypatch, low_memory):
         assert rel_err(gg, wg) < 1e-11
 
 
-
 @pytest.mark.parametrize("rows,vocab,hidden,low_memory,want", [
     (1024, 30522, 1024, False, (274, 30522)),   # whole rows: the 32 MiB budget holds 274
     (10, 128256, 4096, False, (65, 128256)),    # ... or every row

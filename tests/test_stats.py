@@ -63,7 +63,6 @@ def test_module_return_stats_and_backward():
     assert rel_err(x.grad, torch.autograd.grad(want, x)[0]) < 1e-5
 
 
-
 TILES = [(1, 1), (4, 3), (7, 10), (64, 52)]  # (rows per block, vocabulary columns per tile)
 
 

@@ -1,8 +1,9 @@
 #!/bin/bash
-# Device calls of the seventh to twelfth sessions. STEPS picks among:
+# Device calls of the seventh to thirteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
-#   ab              fused_ce and kernels, session start vs now, alternating in one call (ab_old/
-#                   is the session start tree: mkdir ab_old && git archive REV | tar -x -C ab_old)
+#   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
+#                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
+#                   tree: mkdir ab_old && git archive REV | tar -x -C ab_old)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers
@@ -23,7 +24,8 @@ finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none
           | grep -v Warn | tee "$OUT/finish.log" ;;
 ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
       echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
-        --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} 2>&1 \
+        --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
+        2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \

@@ -398,11 +398,10 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
                        need_dw: bool, need_db: bool, lse_in=None):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
     sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row
-    coefficients (gradients.row_coefs);
-    ``read``: waits for the started host read of the valid count (kernels.CountRead), sets
-    ``p.n_valid_host`` and returns D's scale; called once the launches that do not depend on it
-    are queued; ``scale``: the power of two dz is stored
-    with (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1.
+    coefficients (gradients.row_coefs); ``read``: waits for the started host read of the valid
+    count (kernels.CountRead), sets ``p.n_valid_host`` and returns D's scale; called once the
+    launches that do not depend on it are queued; ``scale``: the power of two dz is stored with
+    (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1.
     With ``lse_in`` the statistics are not computed (None is returned for them) and the
     gradients use the given lse.
 
