@@ -195,7 +195,7 @@ def test_forward_grads_every_combination(need, low_memory, row_count, small_chun
 def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, small_chunks,
                             grad_path):
     g = _gen()
-    n, h, v = 25, 70, 67
+    n, h, v = 25, 56, 67  # (W's rows 16-byte aligned: read through its descriptor, H % 16 != 0)
     x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight, g=g)
     co = _coefs(n, g)
     # an lse from elsewhere (vocab-parallel: the global one), here the reference's plus noise
@@ -208,6 +208,33 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
     like_b = b if b is not None else w
     _check_grads(dict(zip(("dx", "dw", "db"), ours)), dict(zip(("dx", "dw", "db"), ref)),
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_w_descriptor_same_results_as_pointers(dtype, small_chunks, monkeypatch):
+    """The sweeps read W through a TMA descriptor where its rows are 16-byte aligned (zeros past
+    V and H from the descriptor), else through pointers: the same logits bit for bit, so the
+    same statistics, gradients and log-probabilities."""
+    from fused_ce.kernels.problem import Problem
+    g = _gen()
+    n, h, v = 29, 56, 67
+    x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=True, out_of_shard=False, g=g)
+    co = _coefs(n, g)
+    runs = {}
+    for desc in (True, False):
+        monkeypatch.setattr(config, "W_DESCRIPTOR", desc)
+        assert Problem(x, w, b, t, IGNORE, None, cw).flags["W_DESC"] is desc
+        out = kernels.forward(x, w, b, t, IGNORE, 3.0, cw, with_weighted_sum=True, coefs=co,
+                              need_dx=True, need_dw=True, need_db=True)
+        runs[desc] = [*out, kernels.log_softmax(x, w, b)]
+    for name, a, c in zip([*out._fields, "log_probs"], runs[True], runs[False]):
+        assert (a is None and c is None) or torch.equal(a, c), name
+    assert all(runs[True][i] is not None for i in range(8))  # statistics, dx, dw, db
+    # rows that a descriptor cannot address: an odd H, or a base off a 16-byte boundary
+    monkeypatch.setattr(config, "W_DESCRIPTOR", True)
+    assert not Problem(x[:, :55], w[:, :55].contiguous(), b, t, IGNORE, None, cw).flags["W_DESC"]
+    w_off = torch.empty(v * h + 1, dtype=dtype)[1:].view(v, h)
+    assert not Problem(x, w_off, b, t, IGNORE, None, cw).flags["W_DESC"]
 
 
 def test_out_of_range_target_raises(grad_path):

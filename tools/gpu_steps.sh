@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of the seventh to thirteenth sessions. STEPS picks among:
+# Device calls of the seventh to fourteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
@@ -11,6 +11,8 @@
 #   upstream        gradient errors with a non-unit upstream gradient (eighth session)
 #   finish_once     the one-read finish variants, tools/probe_finish_once.py (ninth)
 #   epilogue_probe  tools/probe_persistent_logits.py (twelfth)
+#   sweeps          the sweeps' logits kernels, W by descriptor or pointers, per tile
+#                   (tools/probe_sweeps.py, fourteenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -45,4 +47,6 @@ epilogue) timeout 300 python3 benchmarks/bench.py --out "$OUT/epilogue" $B \
          --shapes ${EPILOGUE_SHAPES:-bert8k,mlm,bert16k,llama3,gemma2} \
          --methods fused_ce_epilogue,fused_ce_fp32z 2>&1 | grep -v Warn \
          | tee "$OUT/epilogue.log" | tail -12 ;;
+sweeps) timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
+         2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
 esac; done

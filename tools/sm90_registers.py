@@ -23,8 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fused_ce.kernels import (config, grad_logits, logits_tiles, row_chunks,  # noqa: E402
-                              row_stats)
+from fused_ce.kernels import (config, grad_logits, log_probs, logits_tiles,  # noqa: E402
+                              row_chunks, row_stats)
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
@@ -98,17 +98,25 @@ def finish_rows_cases():
 
 
 def sweep_cases():
-    """The vocabulary sweeps' fused logits kernels (CUDA-graph capture, low_memory)."""
+    """The vocabulary sweeps' fused logits kernels (inference, CUDA-graph capture, low_memory),
+    W read through its descriptor and (for comparison) through pointers."""
     for name in ("gpu", "gpu_wide"):
         lg = config.CONFIG[name]["logits"]
-        tiles = dict(HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, UPCAST=False, IEEE=False,
-                     EVEN_K=True, BLOCK_M=lg["BLOCK_M"], BLOCK_N=lg["BLOCK_N"],
-                     BLOCK_K=lg["BLOCK_K"])
-        yield (f"row_stats_kernel {name}", row_stats.row_stats_kernel,
-               {**tiles, "WITH_WS": False}, {}, lg["num_warps"], lg["num_stages"])
-        yield (f"grad_logits_kernel {name}", grad_logits.grad_logits_kernel,
-               {**tiles, "STORE_D": True, "D_BY_ROW": False, "NEED_DB": True}, {},
-               lg["num_warps"], lg["num_stages"])
+        for w_desc in (True, False):
+            w = ({"w_src": f"tensordesc<bf16[{lg['BLOCK_N']}, {lg['BLOCK_K']}]>"} if w_desc
+                 else {"w_src": "*bf16"})
+            tiles = dict(HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, UPCAST=False,
+                         IEEE=False, EVEN_K=True, W_DESC=w_desc, BLOCK_M=lg["BLOCK_M"],
+                         BLOCK_N=lg["BLOCK_N"], BLOCK_K=lg["BLOCK_K"])
+            how = "W desc" if w_desc else "W ptrs"
+            yield (f"row_stats_kernel {name} {how}", row_stats.row_stats_kernel,
+                   {**tiles, "WITH_WS": False}, w, lg["num_warps"], lg["num_stages"])
+            yield (f"grad_logits_kernel {name} {how}", grad_logits.grad_logits_kernel,
+                   {**tiles, "STORE_D": True, "D_BY_ROW": False, "NEED_DB": True}, w,
+                   lg["num_warps"], lg["num_stages"])
+            consts = {k: v for k, v in tiles.items() if k not in ("HAS_SOFTCAP", "HAS_CW")}
+            yield (f"log_probs_kernel {name} {how}", log_probs.log_probs_kernel, consts, w,
+                   lg["num_warps"], lg["num_stages"])
 
 
 def main():

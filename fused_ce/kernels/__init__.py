@@ -79,7 +79,7 @@ def _row_stats(p: Problem, with_weighted_sum: bool):
     m, s, zt, ws = (torch.empty((splits, p.N), **f32) for _ in range(4))
     am = torch.empty((splits, p.N), dtype=torch.int32, device=p.device)
     row_stats_kernel[(row_tiles, splits)](
-        p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+        p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
         m, s, am, zt, ws, p.N, p.V, p.H, per_split, p.softcap_arg,
         HAS_CW=p.class_weight is not None, WITH_WS=with_weighted_sum, **p.flags, **lg)
     return combine(m, s, am, zt, ws, p.valid, p.target, p.V, p.ignore_index)
@@ -246,6 +246,7 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     lse = _row_stats(p, False)[0]
     lg = p.cfg["logits"]
     log_probs_kernel[(triton.cdiv(n, lg["BLOCK_M"]), triton.cdiv(p.V, lg["BLOCK_N"]))](
-        p.x, p.weight, p.bias_arg, lse, out, n, p.V, p.H, HAS_BIAS=p.flags["HAS_BIAS"],
-        UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"], EVEN_K=p.flags["EVEN_K"], **lg)
+        p.x, p.w_src, p.bias_arg, lse, out, n, p.V, p.H, HAS_BIAS=p.flags["HAS_BIAS"],
+        UPCAST=p.flags["UPCAST"], IEEE=p.flags["IEEE"], EVEN_K=p.flags["EVEN_K"],
+        W_DESC=p.flags["W_DESC"], **lg)
     return out

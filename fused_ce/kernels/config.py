@@ -29,11 +29,13 @@ GPU = {
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, use=False),
 }
-# Wide heads (H >= 2048): a 128x256 logits tile and 128x128 products measured faster on the
-# H200 (Llama-3 shape, stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms; NOTES.md).
+# Wide heads (H >= 2048): 128x128 products measured faster on the H200 (NOTES.md). The sweeps'
+# logits tile is the BERT one: with W read through pointers a 128x256 tile measured faster
+# (Llama-3 stats pass 39.8 vs 48.4 ms), but compiled for sm_90 both spilled (1848 and 712
+# bytes per thread) and neither K loop was pipelined; with W's descriptor 128x128 spills 0-32
+# bytes and 128x256 still 840-1032 (NOTES.md #40; tools/probe_sweeps.py times both).
 GPU_WIDE = {
     **GPU,
-    "logits": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
     # the epilogue logits for wide heads: Gemma-2's head 53.7-54.7 vs 60.9-61.7 ms, Llama-3's
     # 93.3 vs 93.5 (H100, same call; NOTES.md #38)
@@ -76,6 +78,9 @@ LOGITS_EPILOGUE = None
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True
 LIBRARY_PRODUCTS_ON_CPU = False
+# The sweeps' logits kernels (logits.py) read W through a TMA tensor descriptor where W's rows
+# are 16-byte aligned (else through a pointer per element).
+W_DESCRIPTOR = True
 # Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
 CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
 

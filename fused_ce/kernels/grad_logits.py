@@ -21,14 +21,14 @@ from fused_ce.kernels.logits import logits_tile
 
 
 @triton.jit
-def grad_logits_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
+def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
                        lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
                        STORE_D: tl.constexpr, D_BY_ROW: tl.constexpr, NEED_DB: tl.constexpr,
                        UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_valid = tl.load(n_valid_ptr)
@@ -44,8 +44,9 @@ def grad_logits_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
     in_chunk = offs_j < vc
     col_mask = in_chunk & (cols < V)
 
-    z = logits_tile(x_ptr, w_ptr, bias_ptr, rows, row_mask, cols, col_mask, H, softcap,
-                    HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, v0 + pid_n * BLOCK_N, cols,
+                    col_mask, H, softcap, HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, W_DESC,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
 
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     c_tgt = tl.load(c_tgt_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)

@@ -142,7 +142,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         if db_part is not None and not all_written:
             db_part.zero_()
         grad_logits_kernel[(m_tiles, triton.cdiv(width, lg["BLOCK_N"]))](
-            p.x, p.weight, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+            p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
             lse, *cf, scale, d, vc_pad, db_part if db_part is not None else d,
             p0, rows, v0, width, p.V, p.H, p.softcap_arg,
             HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,

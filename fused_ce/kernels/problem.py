@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
 from fused_ce.kernels.targets import scan_targets
@@ -49,7 +50,9 @@ class Problem:
             UPCAST=config.interpreting(),
             IEEE=x.dtype == torch.float32,
             EVEN_K=self.H % lg["BLOCK_K"] == 0,
+            W_DESC=config.W_DESCRIPTOR and descriptor_ok(self.weight),
         )
+        self._w_src: Optional[object] = None
 
     @property
     def valid(self) -> Tensor:
@@ -57,6 +60,16 @@ class Problem:
         if self._valid is None:
             self._valid = self.target != self.ignore_index
         return self._valid
+
+    @property
+    def w_src(self):
+        """W as the logits kernels (logits.py) take it: its tensor descriptor (block
+        BLOCK_N x BLOCK_K of the logits tile) where ``flags["W_DESC"]``, else W."""
+        if self._w_src is None:
+            lg = self.cfg["logits"]
+            self._w_src = (TensorDescriptor.from_tensor(self.weight, [lg["BLOCK_N"], lg["BLOCK_K"]])
+                           if self.flags["W_DESC"] else self.weight)
+        return self._w_src
 
     @property
     def bias_arg(self) -> Tensor:
@@ -71,3 +84,9 @@ class Problem:
     def softcap_arg(self) -> float:
         return self.softcap if self.softcap is not None else 1.0
 
+
+
+def descriptor_ok(t: Tensor) -> bool:
+    """Whether a TMA descriptor can address the contiguous 2-D ``t``: base address and row
+    stride multiples of 16 bytes."""
+    return t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0

@@ -21,13 +21,13 @@ from fused_ce.reference import nll_from
 
 
 @triton.jit
-def row_stats_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
+def row_stats_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
                      m_ptr, s_ptr, am_ptr, zt_ptr, ws_ptr,
                      N, V, H, tiles_per_split, softcap,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
                      WITH_WS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, W_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     n_valid = tl.load(n_valid_ptr)
@@ -52,8 +52,9 @@ def row_stats_kernel(x_ptr, w_ptr, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < V
-        z = logits_tile(x_ptr, w_ptr, bias_ptr, rows, row_mask, cols, col_mask, H, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, t * BLOCK_N, cols, col_mask, H,
+                        softcap, HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, W_DESC, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
         zm = tl.where(col_mask[None, :], z, float("-inf"))
         tile_max = tl.max(zm, 1)
         m_new = tl.maximum(m, tile_max)
