@@ -195,7 +195,8 @@ def test_forward_grads_every_combination(need, low_memory, row_count, small_chun
 def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, small_chunks,
                             grad_path):
     g = _gen()
-    n, h, v = 25, 56, 67  # (W's rows 16-byte aligned: read through its descriptor, H % 16 != 0)
+    # fp16: W's rows are 16-byte aligned, so they are read through its descriptor; H % 16 != 0
+    n, h, v = 25, 56, 67
     x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight, g=g)
     co = _coefs(n, g)
     # an lse from elsewhere (vocab-parallel: the global one), here the reference's plus noise
@@ -210,11 +211,11 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_w_descriptor_same_results_as_pointers(dtype, small_chunks, monkeypatch):
-    """The sweeps read W through a TMA descriptor where its rows are 16-byte aligned (zeros past
-    V and H from the descriptor), else through pointers: the same logits bit for bit, so the
-    same statistics, gradients and log-probabilities."""
+def test_w_descriptor_same_results_as_pointers(small_chunks, monkeypatch):
+    """The sweeps read a 16-bit W through a TMA descriptor where its rows are 16-byte aligned
+    (zeros past V and H from the descriptor), else through pointers: the same logits bit for
+    bit, so the same statistics, gradients and log-probabilities. fp32 takes the pointers."""
+    dtype = torch.float16
     from fused_ce.kernels.problem import Problem
     g = _gen()
     n, h, v = 29, 56, 67
@@ -235,6 +236,7 @@ def test_w_descriptor_same_results_as_pointers(dtype, small_chunks, monkeypatch)
     assert not Problem(x[:, :55], w[:, :55].contiguous(), b, t, IGNORE, None, cw).flags["W_DESC"]
     w_off = torch.empty(v * h + 1, dtype=dtype)[1:].view(v, h)
     assert not Problem(x, w_off, b, t, IGNORE, None, cw).flags["W_DESC"]
+    assert not Problem(x.float(), w.float(), b, t, IGNORE, None, cw).flags["W_DESC"]
 
 
 def test_out_of_range_target_raises(grad_path):

@@ -78,8 +78,8 @@ LOGITS_EPILOGUE = None
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True
 LIBRARY_PRODUCTS_ON_CPU = False
-# The sweeps' logits kernels (logits.py) read W through a TMA tensor descriptor where W's rows
-# are 16-byte aligned (else through a pointer per element).
+# The sweeps' logits kernels (logits.py) read a 16-bit W through a TMA tensor descriptor where
+# its rows are 16-byte aligned (else, and for fp32, through a pointer per element).
 W_DESCRIPTOR = True
 # Test hook: force small workspaces so that CI exercises multi-chunk sweeps on small shapes.
 CHUNK_OVERRIDE = None  # e.g. {"vc": 64, "row_block": 16, "row_vc": 48}
