@@ -71,7 +71,8 @@ class Problem:
         BLOCK_N x BLOCK_K of the logits tile) where ``flags["W_DESC"]``, else W."""
         if self._w_src is None:
             lg = self.cfg["logits"]
-            self._w_src = (TensorDescriptor.from_tensor(self.weight, [lg["BLOCK_N"], lg["BLOCK_K"]])
+            block = [lg["BLOCK_N"], lg["BLOCK_K"]]
+            self._w_src = (TensorDescriptor.from_tensor(self.weight, block)
                            if self.flags["W_DESC"] else self.weight)
         return self._w_src
 
@@ -87,7 +88,6 @@ class Problem:
     @property
     def softcap_arg(self) -> float:
         return self.softcap if self.softcap is not None else 1.0
-
 
 
 def descriptor_ok(t: Tensor) -> bool:
