@@ -28,23 +28,30 @@ from fused_ce.kernels import (config, grad_logits, log_probs, logits_tiles,  # n
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
-# pointer arguments by element type; the others are int32 scalars unless named here
-BF16_PTRS = {"x_ptr", "w_ptr", "bias_ptr", "cw_ptr", "d_ptr", "e_ptr"}
+# pointers to the inputs' dtype (x, W, the bias) and to D / E (the input dtype, or fp32 under
+# the interpreter); integer pointers; the rest point to fp32 and the scalars are int32 unless
+# named here
+DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr"}
 INT_PTRS = {"target_ptr": "*i64", "row_idx_ptr": "*i32", "n_valid_ptr": "*i32", "a_ptr": "*i32",
             "am_ptr": "*i32"}
 FP32_SCALARS = {"softcap"}
 
 
-def compile_sm90(fn, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int):
-    """``fn`` compiled for sm_90; pointers 16-byte aligned (as torch allocates them)."""
+def compile_sm90(fn, constexprs: dict, types: dict, num_warps: int, num_stages: int,
+                 dtype: str = "bf16"):
+    """``fn`` compiled for sm_90; ``types``: arguments' types where the defaults above do not
+    apply (tensor descriptors); ``dtype``: the element type of DATA_PTRS. Pointers 16-byte
+    aligned (as torch allocates them)."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in descriptors:
-            signature[name] = descriptors[name]
+        elif name in types:
+            signature[name] = types[name]
+        elif name in DATA_PTRS:
+            signature[name] = f"*{dtype}"
         elif name.endswith("_ptr"):
-            signature[name] = ("*bf16" if name in BF16_PTRS else INT_PTRS.get(name, "*fp32"))
+            signature[name] = INT_PTRS.get(name, "*fp32")
         else:
             signature[name] = "fp32" if name in FP32_SCALARS else "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -65,69 +72,85 @@ def usage(kernel) -> str:
     return f"REG {reg:>3}  STACK {stack:>4}  shared {kernel.metadata.shared}"
 
 
-def logits_tiles_cases():
+def logits_tiles_cases(variants: bool):
+    """The row-chunk path's epilogue GEMM and its finish (bf16 only)."""
     for name in ("gpu", "gpu_wide"):
         cfg = config.CONFIG[name]["logits_tiles"]
         for split in sorted({1, cfg["split"]}):
-            for ws in (False, True):
+            for ws, bias, cw in ([(False, True, False), (True, True, False)]
+                                 + [(True, False, True)] * variants):
                 bs = cfg["BN"] // split
                 desc = {"x_desc": f"tensordesc<bf16[{cfg['BM']}, {cfg['BK']}]>",
                         "w_desc": f"tensordesc<bf16[{cfg['BN']}, {cfg['BK']}]>",
                         "e_desc": f"tensordesc<bf16[{cfg['BM']}, {bs}]>"}
-                consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=True, HAS_CW=False, WITH_WS=ws,
+                consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=bias, HAS_CW=cw, WITH_WS=ws,
                               UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                               SPLIT=split, FLATTEN=cfg["flatten"])
-                yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}",
-                       logits_tiles.logits_tiles_kernel, consts, desc, cfg["num_warps"],
-                       cfg["num_stages"])
+                yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}"
+                       + " cw 1 no bias" * cw, logits_tiles.logits_tiles_kernel, consts, desc,
+                       cfg["num_warps"], cfg["num_stages"], "bf16")
         bs = logits_tiles.tile_width(cfg)
-        consts = dict(HAS_CW=False, WITH_WS=False, NEED_D=True, BLOCK_T=256,
-                      TILES=cfg["finish_tiles"], BN=bs)
-        yield (f"finish_tiles_kernel {name}", logits_tiles.finish_tiles_kernel, consts, {},
-               cfg["finish_warps"], 1)
+        for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
+            consts = dict(HAS_CW=cw, WITH_WS=ws, NEED_D=need_d, BLOCK_T=256,
+                          TILES=cfg["finish_tiles"], BN=bs)
+            yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
+                   logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
 
 
-def finish_rows_cases():
+def finish_rows_cases(variants: bool):
     """The row-chunk path's finish kernel after cuBLAS's fp32 logits (BERT-class heads)."""
     fin = config.CONFIG["gpu"]["row_finish"]
-    for cw in (False, True):
-        consts = dict(HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=cw, WITH_WS=True, NEED_D=True,
-                      LSE_IN=False, HAS_SCALE=False, D_OVER_Z=True, BLOCK_V=fin["BLOCK_V"])
-        yield (f"finish_rows_kernel gpu class weights {int(cw)}", row_chunks.finish_rows_kernel,
-               consts, {}, fin["num_warps"], 1)
+    for cw, cap, dtype in ([(False, False, "bf16"), (True, False, "bf16")]
+                           + [(True, True, "fp16")] * variants):
+        consts = dict(HAS_BIAS=True, HAS_SOFTCAP=cap, HAS_CW=cw, WITH_WS=True, NEED_D=True,
+                      LSE_IN=False, HAS_SCALE=dtype == "fp16", D_OVER_Z=True,
+                      BLOCK_V=fin["BLOCK_V"])
+        yield (f"finish_rows_kernel gpu class weights {int(cw)}" + f" softcap {dtype}" * cap,
+               row_chunks.finish_rows_kernel, consts, {}, fin["num_warps"], 1, dtype)
 
 
-def sweep_cases():
+def sweep_cases(variants: bool):
     """The vocabulary sweeps' fused logits kernels (inference, CUDA-graph capture, low_memory),
-    W read through its descriptor and (for comparison) through pointers."""
+    W read through its descriptor and (for comparison) through pointers; with ``variants``
+    also fp16 and fp32 (pointers: kernels.problem), softcap, class weights, H % BLOCK_K != 0."""
+    combos = [("bf16", True, False, True), ("bf16", False, False, True)]
+    if variants:
+        combos += [("fp16", True, True, False), ("fp32", False, True, False),
+                   ("fp32", False, False, True)]
     for name in ("gpu", "gpu_wide"):
         lg = config.CONFIG[name]["logits"]
-        for w_desc in (True, False):
-            w = ({"w_src": f"tensordesc<bf16[{lg['BLOCK_N']}, {lg['BLOCK_K']}]>"} if w_desc
-                 else {"w_src": "*bf16"})
-            tiles = dict(HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, UPCAST=False,
-                         IEEE=False, EVEN_K=True, W_DESC=w_desc, BLOCK_M=lg["BLOCK_M"],
-                         BLOCK_N=lg["BLOCK_N"], BLOCK_K=lg["BLOCK_K"])
-            how = "W desc" if w_desc else "W ptrs"
+        for dtype, w_desc, flags, even_k in combos:
+            w = ({"w_src": f"tensordesc<{dtype}[{lg['BLOCK_N']}, {lg['BLOCK_K']}]>"} if w_desc
+                 else {})
+            tiles = dict(HAS_BIAS=True, HAS_SOFTCAP=flags, HAS_CW=flags, UPCAST=False,
+                         IEEE=dtype == "fp32", EVEN_K=even_k, W_DESC=w_desc,
+                         BLOCK_M=lg["BLOCK_M"], BLOCK_N=lg["BLOCK_N"], BLOCK_K=lg["BLOCK_K"])
+            how = f"{dtype} W {'desc' if w_desc else 'ptrs'}" + " softcap cw H%BK" * flags
             yield (f"row_stats_kernel {name} {how}", row_stats.row_stats_kernel,
-                   {**tiles, "WITH_WS": False}, w, lg["num_warps"], lg["num_stages"])
+                   {**tiles, "WITH_WS": flags}, w, lg["num_warps"], lg["num_stages"], dtype)
             yield (f"grad_logits_kernel {name} {how}", grad_logits.grad_logits_kernel,
-                   {**tiles, "STORE_D": True, "D_BY_ROW": False, "NEED_DB": True}, w,
-                   lg["num_warps"], lg["num_stages"])
+                   {**tiles, "STORE_D": True, "D_BY_ROW": flags, "NEED_DB": True}, w,
+                   lg["num_warps"], lg["num_stages"], dtype)
             consts = {k: v for k, v in tiles.items() if k not in ("HAS_SOFTCAP", "HAS_CW")}
             yield (f"log_probs_kernel {name} {how}", log_probs.log_probs_kernel, consts, w,
-                   lg["num_warps"], lg["num_stages"])
+                   lg["num_warps"], lg["num_stages"], dtype)
+
+
+def cases(variants: bool = False):
+    """(label, kernel, constexprs, types, warps, stages, dtype) of the kernels whose tiles
+    fill the registers, in the GPU configurations; ``variants``: also the other flag and dtype
+    combinations the library launches (tests/test_compile_sm90.py compiles them all)."""
+    return [*logits_tiles_cases(variants), *finish_rows_cases(variants), *sweep_cases(variants)]
 
 
 def main():
     print(f"triton {triton.__version__}, sm_90")
-    for label, fn, consts, desc, warps, stages in [*logits_tiles_cases(), *finish_rows_cases(),
-                                                     *sweep_cases()]:
+    for label, fn, consts, types, warps, stages, dtype in cases("--variants" in sys.argv):
         try:
-            print(f"{label:48s} {usage(compile_sm90(fn, consts, desc, warps, stages))}",
-                  flush=True)
+            kernel = compile_sm90(fn, consts, types, warps, stages, dtype)
+            print(f"{label:56s} {usage(kernel)}", flush=True)
         except Exception as err:  # noqa: BLE001 (a configuration that does not compile)
-            print(f"{label:48s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
+            print(f"{label:56s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
 
 
 if __name__ == "__main__":
