@@ -13,6 +13,8 @@
 #   epilogue_probe  tools/probe_persistent_logits.py (twelfth)
 #   sweeps          the sweeps' logits kernels, W by descriptor or pointers, per tile
 #                   (tools/probe_sweeps.py, fourteenth)
+#   epilogue_chunks the row-chunk path with the epilogue logits forced, per E budget
+#                   (CHUNK_BUDGETS MiB, 0: the library's), tools/probe_rowchunks.py (fourteenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -41,12 +43,16 @@ large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes ll
 finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
           | tee "$OUT/finish_once.log" ;;
 upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;
-epilogue_probe) timeout 240 python3 tools/probe_persistent_logits.py \
+epilogue_probe) PYTHONPATH=/tmp/site:. timeout 240 python3 tools/probe_persistent_logits.py \
          --shapes ${PROBE_SHAPES:-bert2k,llama2k} 2>&1 | grep -v Warn | tee "$OUT/probe.log" ;;
 epilogue) timeout 300 python3 benchmarks/bench.py --out "$OUT/epilogue" $B \
          --shapes ${EPILOGUE_SHAPES:-bert8k,mlm,bert16k,llama3,gemma2} \
          --methods fused_ce_epilogue,fused_ce_fp32z 2>&1 | grep -v Warn \
          | tee "$OUT/epilogue.log" | tail -12 ;;
-sweeps) timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
+epilogue_chunks) PYTHONPATH=/tmp/site:. timeout 300 python3 -c "import sys; sys.path.insert(0, 'tools')
+import probe_rowchunks as p; from fused_ce.kernels import config; config.LOGITS_EPILOGUE = True
+p.whole('${CHUNK_SHAPES:-bert8k,bert16k}'.split(','), [${CHUNK_BUDGETS:-0,128,200}], ['2048:8'])" \
+         2>&1 | grep -v Warn | tee "$OUT/epilogue_chunks.log" ;;
+sweeps) PYTHONPATH=/tmp/site:. timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
          2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
 esac; done
