@@ -23,23 +23,25 @@ GPU = {
     "scale": dict(BLOCK=4096, num_warps=4),
     # logits_tiles.py: the persistent logits GEMM with the softmax epilogue (one program per
     # SM), and the per-row finish over TILES vocabulary tiles per step; "use": the row-chunk
-    # path's default logits (else cuBLAS fp32 Z + finish_rows_kernel). H100, same call
-    # (NOTES.md #38): BERT heads 3.90 vs 3.88-3.92 ms (8k tokens), 7.38 vs 7.08 (16k): not used
-    # split: the epilogue's column parts (vocabulary tiles of BN / split columns)
+    # path's default logits (else cuBLAS fp32 Z + finish_rows_kernel); split: the epilogue's
+    # column parts (vocabulary tiles of BN / split columns). H100, same call, epilogue vs fp32
+    # Z (NOTES.md #41): BERT heads 3.48-3.59 vs 3.86-4.02 ms at 8k tokens (647 vs 447 MiB:
+    # one chunk), 6.73-6.94 vs 7.09-7.20 at 16k (495 vs 723 MiB), but MLM's 2458 valid rows
+    # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
-                         split=2, finish_tiles=16, finish_warps=8, use=False),
+                         split=2, finish_tiles=16, finish_warps=8, use=True, min_rows=4096),
 }
-# Wide heads (H >= 2048): 128x128 products measured faster on the H200 (NOTES.md). The sweeps'
-# logits tile is the BERT one: with W read through pointers a 128x256 tile measured faster
-# (Llama-3 stats pass 39.8 vs 48.4 ms), but compiled for sm_90 both spilled (1848 and 712
-# bytes per thread) and neither K loop was pipelined; with W's descriptor 128x128 spills 0-32
-# bytes and 128x256 still 840-1032 (NOTES.md #40; tools/probe_sweeps.py times both).
+# Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
+# Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
+# pointers; H100 with W's descriptor, NOTES.md #40: sweep 132.5-133.5 vs 137.8-138.2 ms by
+# pointers, low_memory 186-196 vs 227-231 with a 128x128 tile).
 GPU_WIDE = {
     **GPU,
+    "logits": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-    # the epilogue logits for wide heads: Gemma-2's head 53.7-54.7 vs 60.9-61.7 ms, Llama-3's
-    # 93.3 vs 93.5 (H100, same call; NOTES.md #38)
-    "logits_tiles": {**GPU["logits_tiles"], "use": True},
+    # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
+    # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
+    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.
@@ -51,7 +53,8 @@ INTERPRETER = {
     "scan": dict(BLOCK=16, PART_BLOCK=2),
     "scale": dict(BLOCK=16, num_warps=1),
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
-                         split=2, finish_tiles=2, finish_warps=1, programs=3, use=False),
+                         split=2, finish_tiles=2, finish_warps=1, programs=3, use=False,
+                         min_rows=0),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20
@@ -71,7 +74,7 @@ ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
 # The row-chunk path's logits by a Triton GEMM whose epilogue does the softmax's first pass
 # (logits_tiles.py) where it applies (bf16, no softcap) instead of cuBLAS + finish_rows_kernel:
-# None takes the tile configuration's "use" (wide heads), True / False force either (the bench
+# None takes the tile configuration's "use" and "min_rows", True / False force either (the bench
 # methods fused_ce_epilogue / fused_ce_fp32z, tests).
 LOGITS_EPILOGUE = None
 # The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU

@@ -175,13 +175,14 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
                      mask=cols < VPAD)
 
 
-def applicable(p: Problem, lse_in) -> bool:
-    """Wanted (config.LOGITS_EPILOGUE, else the tile configuration's "use": wide heads), bf16
-    CUDA inputs (or fp32 under the interpreter), no softcap, no given lse, rows the TMA
-    descriptors can address (16-byte aligned: H a multiple of 8)."""
+def applicable(p: Problem, lse_in, rows: int) -> bool:
+    """Wanted (config.LOGITS_EPILOGUE, else the tile configuration's "use" from its "min_rows"
+    valid rows on), bf16 CUDA inputs (or fp32 under the interpreter), no softcap, no given lse,
+    rows the TMA descriptors can address (16-byte aligned: H a multiple of 8)."""
     wanted = config.LOGITS_EPILOGUE
     if wanted is None:
-        wanted = p.cfg["logits_tiles"]["use"]
+        cfg = p.cfg["logits_tiles"]
+        wanted = cfg["use"] and rows >= cfg["min_rows"]
     if not wanted or lse_in is not None or p.softcap is not None:
         return False
     dtypes = (torch.bfloat16, torch.float32) if config.interpreting() else (torch.bfloat16,)

@@ -25,10 +25,11 @@ by the upstream gradient and rounds each element once (scale.py). Rounded here a
 there, a gradient would be rounded twice: on the H200 with an upstream gradient of 0.37, dX's
 error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
 
-Where logits_tiles.applicable (bf16, no softcap; by default for wide heads), the first two
-steps are instead a Triton logits GEMM whose epilogue writes E = exp(z - tile max) and the
-tiles' statistics, and a per-row kernel that writes the statistics and D over E (logits_tiles.py:
-6 bytes per logit instead of 14, and half the workspace per row).
+Where logits_tiles.applicable (bf16, no softcap; by default from 4096 valid rows, any count
+for wide heads), the first two steps are instead a Triton logits GEMM whose epilogue writes
+E = exp(z - tile max) and the tiles' statistics, and a per-row kernel that writes the
+statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and half the
+workspace per row).
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
@@ -414,7 +415,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
     d_scale = read()
     nv = p.n_valid_host
-    tiles = logits_tiles.applicable(p, lse_in)
+    tiles = logits_tiles.applicable(p, lse_in, nv)
     n_chunks, c = chunking(nv, logits_tiles.bytes_per_row(p, v_pad) if tiles else v_pad * 4,
                            v * h * 4)
     if need_dw:
