@@ -10,8 +10,9 @@ the input dtype as ``D[p - p0, j - v0]`` (compacted row position p, vocabulary c
 operand of the dX and dW products (matmul.py); with ``D_BY_ROW`` as ``D[row(p), j - v0]`` (the
 token's own row, for the cuBLAS products of gradients.py, which take x as it is). Column sums
 of dz over the tile (fp32) go to ``db_part[row tile, j - v0]`` (row stride ldd, like D) for the
-bias gradient; summing them in a fixed order keeps db deterministic. D holds dz times a power of two (``scale_ptr``, 1 except for fp16, where it keeps
-the 1/N-sized gradients of a mean loss out of fp16's subnormal range); the products divide it out.
+bias gradient; summing them in a fixed order keeps db deterministic. D holds dz times a power
+of two (``scale_ptr``, 1 except for fp16, where it keeps the 1/N-sized gradients of a mean loss
+out of fp16's subnormal range); the products divide it out.
 """
 
 import triton
