@@ -432,6 +432,27 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     assert (ours.dx[t == IGNORE] == 0).all()
 
 
+def test_logits_tiles_chosen_by_valid_rows(monkeypatch):
+    """By default (config.LOGITS_EPILOGUE None) the epilogue logits are used where the tile
+    configuration says "use", from "min_rows" valid rows on; forced on or off otherwise; never
+    with a softcap, a given lse or rows a descriptor cannot address."""
+    from fused_ce.kernels import logits_tiles
+    from fused_ce.kernels.problem import Problem
+    cfg = {**config.INTERPRETER["logits_tiles"], "use": True, "min_rows": 20}
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles", cfg)
+    x, w, b, t, _ = _inputs(30, 48, 67, torch.float32, out_of_shard=False)
+    p = Problem(x, w, b, t, IGNORE, None, None)
+    assert logits_tiles.applicable(p, None, 20) and not logits_tiles.applicable(p, None, 19)
+    assert not logits_tiles.applicable(p, torch.zeros(30), 30)  # a given lse
+    assert not logits_tiles.applicable(Problem(x, w, b, t, IGNORE, 3.0, None), None, 30)
+    assert not logits_tiles.applicable(Problem(x[:, :47], w[:, :47], b, t, IGNORE, None, None),
+                                       None, 30)  # 47 fp32 columns: rows not 16-byte aligned
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    assert logits_tiles.applicable(p, None, 1)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", False)
+    assert not logits_tiles.applicable(p, None, 30)
+
+
 def test_row_chunk_sizes():
     """row_chunks.chunking at the issue's shapes (fp32 rows of V padded to 64): 256 MiB of Z
     at BERT's head up to 8k tokens (4 chunks of 2048), then a quarter of the valid rows (16k
