@@ -15,6 +15,7 @@
 #                   (tools/probe_sweeps.py, fourteenth)
 #   epilogue_chunks the row-chunk path with the epilogue logits forced, per E budget
 #                   (CHUNK_BUDGETS MiB, 0: the library's), tools/probe_rowchunks.py (fourteenth)
+#   mlm_paths       GPU vs host time of the epilogue and fp32 Z paths (tools/probe_mlm_paths.py)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -53,6 +54,8 @@ epilogue_chunks) PYTHONPATH=/tmp/site:. timeout 300 python3 -c "import sys; sys.
 import probe_rowchunks as p; from fused_ce.kernels import config; config.LOGITS_EPILOGUE = True
 p.whole('${CHUNK_SHAPES:-bert8k,bert16k}'.split(','), [${CHUNK_BUDGETS:-0,128,200}], ['2048:8'])" \
          2>&1 | grep -v Warn | tee "$OUT/epilogue_chunks.log" ;;
+mlm_paths) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_mlm_paths.py 2>&1 | grep -v Warn \
+         | tee "$OUT/mlm_paths.log" ;;
 sweeps) PYTHONPATH=/tmp/site:. timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
          2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
 esac; done
