@@ -39,9 +39,10 @@ def logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, col0, cols, col_mask, H,
     """fp32 logits of rows ``rows`` (original row ids, BLOCK_M) and columns ``cols`` =
     ``col0 + arange(BLOCK_N)``. Masked rows/columns read zeros. ``w_src``: W's tensor
     descriptor (W_DESC; block [BLOCK_N, BLOCK_K], it reads zeros past V and H) or a pointer to
-    W. The descriptor keeps W's tile out of the registers: a pointer per element of a 64 x 256
+    W. The descriptor keeps W's tile out of the registers (a pointer per element of a 64 x 256
     operand tile takes 128 of a thread's 255 registers at 8 warps, and the epilogue then
-    spills. Offsets are int64: rows * H and cols * H exceed 2**31."""
+    spills) and lets the compiler pipeline the K loop (NOTES.md #40). Offsets are int64:
+    rows * H and cols * H exceed 2**31."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * H + offs_k[None, :]
     if not W_DESC:
