@@ -447,6 +447,8 @@ def test_logits_tiles_chosen_by_valid_rows(monkeypatch):
     assert not logits_tiles.applicable(Problem(x, w, b, t, IGNORE, 3.0, None), None, 30)
     assert not logits_tiles.applicable(Problem(x[:, :47], w[:, :47], b, t, IGNORE, None, None),
                                        None, 30)  # 47 fp32 columns: rows not 16-byte aligned
+    w_off = torch.empty(w.numel() + 1)[1:].view(w.shape).copy_(w)  # base off 16 bytes
+    assert not logits_tiles.applicable(Problem(x, w_off, b, t, IGNORE, None, None), None, 30)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
     assert logits_tiles.applicable(p, None, 1)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", False)

@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
-from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
 
 
@@ -178,7 +178,7 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
 def applicable(p: Problem, lse_in, rows: int) -> bool:
     """Wanted (config.LOGITS_EPILOGUE, else the tile configuration's "use" from its "min_rows"
     valid rows on), bf16 CUDA inputs (or fp32 under the interpreter), no softcap, no given lse,
-    rows the TMA descriptors can address (16-byte aligned: H a multiple of 8)."""
+    x and W the TMA descriptors can address (problem.descriptor_ok)."""
     wanted = config.LOGITS_EPILOGUE
     if wanted is None:
         cfg = p.cfg["logits_tiles"]
@@ -187,7 +187,7 @@ def applicable(p: Problem, lse_in, rows: int) -> bool:
         return False
     dtypes = (torch.bfloat16, torch.float32) if config.interpreting() else (torch.bfloat16,)
     return (p.x.dtype in dtypes and p.weight.dtype == p.x.dtype
-            and p.H * p.x.element_size() % 16 == 0)
+            and descriptor_ok(p.x) and descriptor_ok(p.weight))
 
 
 def bytes_per_row(p: Problem, v_pad: int) -> int:
