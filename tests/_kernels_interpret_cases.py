@@ -211,6 +211,26 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
+@pytest.mark.parametrize("budget,known,want", [
+    (1400, True, (False, 4, 32)),  # gathered rows (768 bytes) over half the budget: still
+                                   # as wide as D over all 40 rows, so gathered
+    (1400, False, (True, 40, 32)),  # count not read: D over every row
+    (1000, True, (True, 40, 32)),  # the gathered rows leave D less than one block
+    (2**16, True, (False, 4, 4032)),  # (2**16 - 768) // 4 // 4 rows, in whole blocks
+])
+def test_low_memory_dw_layout(budget, known, want, monkeypatch):
+    """The memory-minimal dW sweep's layout (gradients._low_memory_dw_chunks): 4 valid rows of
+    40, H = 48, fp32, blocks of 32 columns: (by_row, rows, chunk width)."""
+    from fused_ce.kernels.gradients import _low_memory_dw_chunks
+    from fused_ce.kernels.problem import Problem
+    monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", budget)
+    t = torch.full((40,), IGNORE)
+    t[[3, 11, 20, 39]] = torch.tensor([5, 0, 99, 7])
+    p = Problem(torch.randn(40, 48), torch.randn(1000, 48), None, t, IGNORE, None, None)
+    assert _low_memory_dw_chunks(p, 4 if known else 40, known, True) == want
+    assert _low_memory_dw_chunks(p, 4, known, False)[:2] == (False, 4)  # Triton products
+
+
 def test_w_descriptor_same_results_as_pointers(small_chunks, monkeypatch):
     """The sweeps read a 16-bit W through a TMA descriptor where its rows are 16-byte aligned
     (zeros past V and H from the descriptor), else through pointers: the same logits bit for

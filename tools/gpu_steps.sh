@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of the seventh to fourteenth sessions. STEPS picks among:
+# Device calls of the seventh to fifteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
@@ -16,6 +16,8 @@
 #   epilogue_chunks the row-chunk path with the epilogue logits forced, per E budget
 #                   (CHUNK_BUDGETS MiB, 0: the library's), tools/probe_rowchunks.py (fourteenth)
 #   mlm_paths       GPU vs host time of the epilogue and fp32 Z paths (tools/probe_mlm_paths.py)
+#   profile         GPU time per kernel, wall and busy time (tools/profile_kernels.py) of
+#                   PROFILE_METHODS (fused_ce_lowmem) at PROFILE_SHAPES (fifteenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -56,6 +58,9 @@ p.whole('${CHUNK_SHAPES:-bert8k,bert16k}'.split(','), [${CHUNK_BUDGETS:-0,128,20
          2>&1 | grep -v Warn | tee "$OUT/epilogue_chunks.log" ;;
 mlm_paths) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_mlm_paths.py 2>&1 | grep -v Warn \
          | tee "$OUT/mlm_paths.log" ;;
+profile) PYTHONPATH=/tmp/site:. timeout 240 python3 tools/profile_kernels.py \
+         --shapes ${PROFILE_SHAPES:-bert8k,mlm,bert16k} --methods ${PROFILE_METHODS:-fused_ce_lowmem} \
+         2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
 sweeps) PYTHONPATH=/tmp/site:. timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
          2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
 esac; done
