@@ -163,18 +163,21 @@ def test_forward_stats(n, h, v, dtype, softcap):
 @pytest.mark.parametrize("need", [c for c in itertools.product([False, True], repeat=3) if any(c)])
 @pytest.mark.parametrize("low_memory,row_count", [(False, "device"), (False, "host"),
                                                   (True, "device"), (True, "host"),
-                                                  (True, "host_tight")])
+                                                  (True, "host_tight"), (False, "host_all"),
+                                                  (True, "host_all")])
 def test_forward_grads_every_combination(need, low_memory, row_count, small_chunks, grad_path,
                                          monkeypatch):
     """row_count: "device" (no target check: the kernels read the valid count on the device,
     cuBLAS products span every row), "host" (the target check's read brings the count: products
     over the valid rows, x's rows gathered), "host_tight" (a low-memory budget too small for
-    the gathered rows: the dW sweep spans every row again)."""
+    the gathered rows: the dW sweep spans every row again), "host_all" (no row ignored: the
+    compacted positions are the rows, so the products slice x and dX instead of gathering)."""
     if row_count == "host_tight":
         monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 8192)
     g = _gen()
     # (out-of-shard targets only without the check, which would raise on them)
     x, w, b, t, cw = _inputs(37, 70, 89, torch.float32, class_weight=True,
+                             ignored=0.0 if row_count == "host_all" else 0.25,
                              out_of_shard=row_count == "device", g=g)
     co = _coefs(37, g)
     kw = dict(with_weighted_sum=True, coefs=co, need_dx=need[0], need_dw=need[1],

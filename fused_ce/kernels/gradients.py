@@ -107,7 +107,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     for, valid count unknown on the host) D's rows are the tokens' own rows, all N of them, so
     dW[chunk] = D^T x and dX = D W[chunk] take x and dX as they are; otherwise D keeps the
     compacted rows, dW's product takes x's rows gathered in that order, and dX's rows are
-    scattered at the end. Rows no kernel writes (ignored tokens, positions past the valid count)
+    scattered at the end (with every row valid, the compacted positions are the rows: x and dX
+    are sliced instead). Rows no kernel writes (ignored tokens, positions past the valid count)
     are zero in D, so the products give them exact zeros."""
     lg = p.cfg["logits"]
     chunks = list(range(0, p.V, vc))
@@ -121,17 +122,21 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     all_written = not by_row and p.n_valid_host is not None and p0 + rows <= p.n_valid_host
     fill = library and not all_written
     d = (torch.zeros if fill else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
-    in_order = by_row or (p0 == 0 and rows == p.N == p.n_valid_host)  # compacted == original
+    # D's row r is the token row tokens[r]: by_row, or when every row is valid (the compacted
+    # positions are then the rows themselves)
+    in_order = by_row or p.n_valid_host == p.N
+    tokens = slice(0, p.N) if by_row else slice(p0, p0 + rows)
     f32 = torch.float32
     acc = None  # dX's fp32 accumulator
-    if dx is not None and library and in_order and dx.dtype == f32:
-        acc = dx  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
+    acc_is_dx = dx is not None and library and in_order and dx.dtype == f32
+    if acc_is_dx:
+        acc = dx[tokens]  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
     elif dx is not None and (library or len(chunks) > 1):
         acc = torch.empty((d_rows, p.H), dtype=f32, device=p.device)
     x_rows = None
     dw32 = None
     if library and dw is not None:
-        x_rows = p.x if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
+        x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
         if dw.dtype != f32:  # (an fp32 dw takes each chunk's product directly)
             dw32 = torch.empty((min(vc, p.V), p.H), dtype=f32, device=p.device)
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
@@ -164,8 +169,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             torch.sum(db_part[:, :width], 0, out=db[v0:v0 + width])
     if library and dx is not None:
         if in_order:
-            if acc is not dx:
-                dx.copy_(acc)
+            if not acc_is_dx:
+                dx[tokens].copy_(acc)
         else:
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
 
