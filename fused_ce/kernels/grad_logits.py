@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fused_ce.kernels.logits import logits_tile
+from fused_ce.kernels.row_loss import grad_coefs, smoothing
 
 
 @triton.jit
@@ -50,20 +51,14 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
                     BLOCK_M, BLOCK_N, BLOCK_K)
 
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    c_tgt = tl.load(c_tgt_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    c_smooth = tl.load(c_smooth_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    c_prob = tl.load(c_prob_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    c_lse_sq = tl.load(c_lse_sq_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    # (masked rows read row 0's coefficients: their dz is zeroed below)
+    alpha, c_tgt, c_smooth = grad_coefs(rows, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                                        c_lse_sq_ptr)
     tgt = tl.load(target_ptr + rows, mask=row_mask, other=-1)
 
-    alpha = c_prob + 2.0 * c_lse_sq * lse
     dz = alpha[:, None] * tl.exp(z - lse[:, None])
     dz -= tl.where(cols[None, :] == tgt[:, None], c_tgt[:, None], 0.0)
-    if HAS_CW:
-        w = tl.load(cw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dz -= c_smooth[:, None] * w[None, :]
-    else:
-        dz -= c_smooth[:, None]
+    dz -= smoothing(cols[None, :], col_mask[None, :], c_smooth[:, None], cw_ptr, HAS_CW)
     if HAS_SOFTCAP:
         u = z / softcap
         dz *= 1.0 - u * u

@@ -1,7 +1,8 @@
 """Per-row statistics, loss and gradient coefficients of the finish kernels (row_chunks.py,
 logits_tiles.py): merges lane- or tile-wise online log-sum-exp accumulators and writes a row's
 lse, target logit, nll, weighted sum, max, argmax and loss (ops.py's loss_i); the per-row
-factors of its logits' gradient dz_j = alpha p_j - c_tgt [j = t] - c_smooth w_j."""
+factors of its logits' gradient dz_j = alpha p_j - c_tgt [j = t] - c_smooth w_j (also for the
+sweeps' grad_logits.py, on a block of rows)."""
 
 import triton
 import triton.language as tl  # noqa: F401 (triton: the jit's namespace)
