@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fused_ce.kernels import row_chunks  # noqa: E402
 
 vp = 30592
-d = torch.randn(2560, 2 * vp, device="cuda").view(torch.bfloat16)[:, :vp]  # D over Z's rows
+d = torch.randn(4096, 2 * vp, device="cuda").view(torch.bfloat16)[:, :vp]  # D over Z's rows
 ones = torch.ones(1, 16384, device="cuda", dtype=torch.bfloat16)
 db = torch.zeros(1, vp, device="cuda")
 print(torch.cuda.get_device_name(), torch.__version__)
@@ -31,3 +31,23 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
 for e in prof.events():
     if e.device_type == torch.autograd.DeviceType.CUDA:
         print("  kernel:", e.name[:90])
+
+# Fifteenth session: the product against a column sum (torch.sum over the rows, fp32 result), on
+# D over Z's rows (the fp32 logits path: row stride 2 vp) and on a contiguous D (the epilogue
+# path), at MLM's rows and at the BERT chunks' (4096, 8192).
+dense = torch.randn(8192, vp, device="cuda").to(torch.bfloat16)
+for name, mat in (("D over Z", d), ("contiguous D", dense)):
+    for k in (2464, 4096, 8192):
+        if k > mat.shape[0]:
+            continue
+        dk = mat[:k]
+        prod = lambda: row_chunks.gemm_f32(ones[:, :k], dk, db)  # noqa: E731
+        col = lambda: torch.sum(dk, 0, dtype=torch.float32, out=db[0])  # noqa: E731
+        ref = torch.sum(dk.float(), 0)
+        col()
+        err = ((db[0] - ref).abs().max() / ref.abs().max()).item()
+        for label, fn in (("product", prod), ("column sum", col)):
+            ms = triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
+            print(f"  {name:13s} K={k:<5} {label:10s} {ms * 1e3:7.1f} us  "
+                  f"{k * vp * 2 / ms / 1e9:6.2f} TB/s", flush=True)
+        print(f"  {name:13s} K={k:<5} column sum max rel. error vs fp32 {err:.1e}")
