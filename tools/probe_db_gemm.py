@@ -3,7 +3,8 @@
     python tools/probe_db_gemm.py
 
 cuBLAS's choice of kernel for M = 1 depends on the reduction size K = c (the chunk's rows):
-times K = 2458 (MLM's valid rows) against K rounded up to 8, 64 and 128, and BERT's 2048.
+times K = 2458 (MLM's valid rows) against K rounded up to 8, 64 and 128, and BERT's 2048; then
+(fifteenth session) the product against a column sum of D at 2464, 4096 and 8192 rows.
 """
 import os
 import sys
