@@ -52,7 +52,7 @@ CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
               "fused_ce_lowmem_triton", "kernels", "eager", "compile", "liger", "cce",
               "torch_lce", "floor"]
-LS_METHODS = ["fused_ce", "eager", "compile", "floor"]
+LS_METHODS = ["fused_ce", "fused_ce_fp32z", "eager", "compile", "floor"]
 MiB = 2**20
 
 
@@ -110,7 +110,17 @@ def method_fn(name, kind, x, w, b, t):
         # the row-chunk path with its logits by cuBLAS (fp32 Z) and finish_rows_kernel, or by
         # the Triton GEMM with the softmax epilogue (kernels/logits_tiles.py)
         from fused_ce.kernels import config
-        lce, _ = _fused_api()
+        lce, lls = _fused_api()
+        if kind == "logsoftmax":  # log_softmax's logits by the epilogue GEMM or cuBLAS fp32
+
+            def run_log_probs_variant():
+                default = config.LOG_PROBS_EPILOGUE
+                config.LOG_PROBS_EPILOGUE = name == "fused_ce_epilogue"
+                try:
+                    return lls(x, w, b)
+                finally:
+                    config.LOG_PROBS_EPILOGUE = default
+            return run_log_probs_variant
 
         def run_logits_variant():
             default = config.LOGITS_EPILOGUE

@@ -517,6 +517,46 @@ def test_row_chunk_log_softmax_logic(monkeypatch):
     assert _rel(ours, ref) <= 1e-3
 
 
+@pytest.mark.parametrize("n,h,v,budget,split", [(1, 52, 37, 2**20, 2), (45, 48, 101, 16 * 128 * 4, 2),
+                                                (90, 56, 71, 32 * 128 * 4, 1)])
+def test_log_softmax_tiles(n, h, v, budget, split, monkeypatch):
+    """log_softmax by the epilogue GEMM (logits_tiles_kernel with LOG_PROBS, then
+    log_probs_tiles_kernel; fp32 U here): N = 1, H not a multiple of the K tile, V prime, one
+    chunk or several (16 or 32 rows), the epilogue on whole tiles or column halves, a large
+    bias, and a row whose logits are its bias alone (x = 0)."""
+    from fused_ce.kernels import row_chunks
+
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "split": split})
+    monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+    used = []
+    real = row_chunks._log_softmax_tiles
+    monkeypatch.setattr(row_chunks, "_log_softmax_tiles", lambda *a: used.append(1) or real(*a))
+    g = _gen()
+    x, w, b, _, _ = _inputs(n, h, v, torch.float32, g=g)
+    b = b * 30.0
+    x[-1] = 0.0  # every logit of the last row is its bias
+    ours = row_chunks.log_softmax(x, w, b)
+    ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
+    assert used, "the epilogue path did not run"
+    assert ours.dtype == x.dtype and ours.shape == (n, v)
+    assert _rel(ours, ref) <= 1e-5
+    assert ((ours.double() - ref).abs() <= 1e-5 * (1 + ref.abs())).all()
+
+
+def test_log_softmax_tiles_chosen(monkeypatch):
+    """By default the epilogue log-softmax is for bf16 CUDA inputs only; forced on, never for
+    rows a descriptor cannot address (47 fp32 columns) or mixed dtypes."""
+    from fused_ce.kernels import row_chunks
+    x, w, _, _, _ = _inputs(5, 48, 67, torch.float32)
+    assert not row_chunks.log_probs_by_tiles(x, w)
+    monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
+    assert row_chunks.log_probs_by_tiles(x, w)
+    assert not row_chunks.log_probs_by_tiles(x[:, :47].contiguous(), w[:, :47].contiguous())
+    assert not row_chunks.log_probs_by_tiles(x, w.double())
+
+
 def _scan_expected(t, v):
     valid = t != IGNORE
     row_idx = torch.argsort((~valid).to(torch.int8), stable=True)  # valid first, in order

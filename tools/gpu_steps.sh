@@ -7,7 +7,7 @@
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers
-#   large           Llama-3 / Gemma-2 shapes
+#   large           Llama-3 / Gemma-2 shapes (LARGE_METHODS, default fused_ce,floor)
 #   upstream        gradient errors with a non-unit upstream gradient (eighth session)
 #   finish_once     the one-read finish variants, tools/probe_finish_once.py (ninth)
 #   epilogue_probe  tools/probe_persistent_logits.py (twelfth)
@@ -37,12 +37,12 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
-bench) timeout 300 python3 benchmarks/bench.py --out "$OUT/bert" $B \
+bench) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/bert" $B \
          --shapes ${BENCH_SHAPES:-bert8k,mlm,bert16k} \
          --methods ${BENCH_METHODS:-fused_ce,kernels,compile,liger,floor} 2>&1 | grep -v Warn \
          | tee "$OUT/bert.log" | tail -30 ;;
-large) timeout 150 python3 benchmarks/bench.py --out "$OUT/large" $B --shapes llama3,gemma2 \
-         --methods fused_ce,floor 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
+large) timeout ${LARGE_TIMEOUT:-150} python3 benchmarks/bench.py --out "$OUT/large" $B \
+         --warmup-steps 2 --shapes llama3,gemma2 --methods ${LARGE_METHODS:-fused_ce,floor} 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
 finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
           | tee "$OUT/finish_once.log" ;;
 upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;

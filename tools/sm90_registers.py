@@ -31,7 +31,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 # pointers to the inputs' dtype (x, W, the bias) and to D / E (the input dtype, or fp32 under
 # the interpreter); integer pointers; the rest point to fp32 and the scalars are int32 unless
 # named here
-DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr"}
+DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr", "u_ptr", "out_ptr"}
 INT_PTRS = {"target_ptr": "*i64", "row_idx_ptr": "*i32", "n_valid_ptr": "*i32", "a_ptr": "*i32",
             "am_ptr": "*i32"}
 FP32_SCALARS = {"softcap"}
@@ -85,16 +85,24 @@ def logits_tiles_cases(variants: bool):
                         "e_desc": f"tensordesc<bf16[{cfg['BM']}, {bs}]>"}
                 consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=bias, HAS_CW=cw, WITH_WS=ws,
                               UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                              SPLIT=split, FLATTEN=cfg["flatten"])
+                              SPLIT=split, FLATTEN=cfg["flatten"], LOG_PROBS=False)
                 yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}"
                        + " cw 1 no bias" * cw, logits_tiles.logits_tiles_kernel, consts, desc,
                        cfg["num_warps"], cfg["num_stages"], "bf16")
+            # log_softmax's mode (U = z - m_t, m_t and s_t only)
+            yield (f"logits_tiles_kernel {name} split {split} log-probs",
+                   logits_tiles.logits_tiles_kernel,
+                   {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
+                    "LOG_PROBS": True}, desc, cfg["num_warps"], cfg["num_stages"], "bf16")
         bs = logits_tiles.tile_width(cfg)
         for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
             consts = dict(HAS_CW=cw, WITH_WS=ws, NEED_D=need_d, BLOCK_T=256,
                           TILES=cfg["finish_tiles"], BN=bs)
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
                    logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
+        yield (f"log_probs_tiles_kernel {name}", logits_tiles.log_probs_tiles_kernel,
+               dict(BLOCK_T=256, TILES=cfg["finish_tiles"], BN=bs), {}, cfg["finish_warps"], 1,
+               "bf16")
 
 
 def finish_rows_cases(variants: bool):

@@ -15,9 +15,10 @@
     skip ignored rows; while a graph is captured nothing waits on the host and the products
     span every row (zeros where ignored).
 * ``backward``: the gradients from a given lse, through the same two paths.
-* ``log_softmax``: 16-bit inputs: fp32 cuBLAS logits in row chunks, then one Triton kernel per
-  chunk writing ``z - lse`` (row_chunks.py); otherwise the statistics sweep, then a sweep
-  writing ``z - lse`` (log_probs.py).
+* ``log_softmax``: bf16 inputs: per row chunk the epilogue GEMM of logits_tiles.py stores
+  ``z - m_t`` (tile max) and a per-row kernel writes ``z - lse``; fp16: fp32 cuBLAS logits in
+  row chunks, then one Triton kernel per chunk writing ``z - lse`` (row_chunks.py); otherwise
+  the statistics sweep, then a sweep writing ``z - lse`` (log_probs.py).
 * ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the forward's
   unrounded (fp32, ``round_grads=False``) gradients once into their dtypes, in one launch
   (scale.py). The sweeps then store each finished dW chunk in fp32 instead of rounding it.

@@ -77,6 +77,11 @@ ROW_CHUNKS_ON_CPU = False
 # None takes the tile configuration's "use" and "min_rows", True / False force either (the bench
 # methods fused_ce_epilogue / fused_ce_fp32z, tests).
 LOGITS_EPILOGUE = None
+# log_softmax's logits by that Triton GEMM too (logits_tiles.py, LOG_PROBS: U = z - m_t stored,
+# 6 bytes per logit instead of the fp32 path's 10): None for bf16 CUDA inputs whose rows TMA
+# descriptors can address, True also under the interpreter (tests, fp32), False never (the
+# cuBLAS fp32 path; bench method fused_ce_fp32z).
+LOG_PROBS_EPILOGUE = None
 # The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True

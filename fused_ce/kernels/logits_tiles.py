@@ -22,6 +22,11 @@ non-target entries are rounded twice (E, then D), which the dX and dW products a
 
 Used for bf16 inputs without a softcap (its derivative needs z, not E) and without a given lse;
 under the Triton interpreter (tests) for fp32 too, with E in fp32.
+
+log_softmax (row_chunks._log_softmax_tiles) runs the same GEMM with LOG_PROBS: the epilogue
+stores U = z - m_t instead of E, and log_probs_tiles_kernel writes log p = U + m_t - lse. U is
+rounded once before the output is: |U| <= |log p|, so each entry is within two roundings of its
+own size (rounding z itself, as bf16 logits do, costs |z| / |log p| roundings).
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, ro
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        SPLIT: tl.constexpr, FLATTEN: tl.constexpr):
+                        SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
+                        LOG_PROBS: tl.constexpr = False):
     """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
     over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
     BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
-    (the grid) take the (BM, BN) output tiles in turn."""
+    (the grid) take the (BM, BN) output tiles in turn. With LOG_PROBS (log_softmax: rows in
+    order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored."""
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(V, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, n_progs, flatten=FLATTEN):
@@ -56,9 +63,12 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, ro
         off_m = pid_m * BM
         off_n = pid_n * BN
         rows = off_m + tl.arange(0, BM)
-        # (loaded before the K loop, whose time hides the two dependent loads' latency)
-        tgt = tl.load(target_ptr + tl.load(row_idx_ptr + c0 + rows, mask=rows < M, other=0),
-                      mask=rows < M, other=-1)
+        if LOG_PROBS:
+            tgt = tl.full((BM,), -1, tl.int64)
+        else:
+            # (loaded before the K loop, whose time hides the two dependent loads' latency)
+            tgt = tl.load(target_ptr + tl.load(row_idx_ptr + c0 + rows, mask=rows < M, other=0),
+                          mask=rows < M, other=-1)
         acc = tl.zeros((BM, BN), tl.float32)
         for k in range(0, H, BK):  # (the descriptors read zeros past H, V and M)
             a = x_desc.load([off_m, k])
@@ -73,35 +83,36 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, target_ptr, ro
         if SPLIT == 1:
             _tile_epilogue(acc, rows, tgt, off_m, off_n, pid_n, e_desc, bias_ptr, cw_ptr, M, V,
                            m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE, HAS_BIAS,
-                           HAS_CW, WITH_WS, BN)
+                           HAS_CW, WITH_WS, LOG_PROBS, BN)
         else:
             z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             _tile_epilogue(z0, rows, tgt, off_m, off_n, 2 * pid_n, e_desc, bias_ptr, cw_ptr,
                            M, V, m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE,
-                           HAS_BIAS, HAS_CW, WITH_WS, BN // 2)
+                           HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, BN // 2)
             # (in the last tile, this half may lie past V: tile n_tiles_v, nothing stored)
             _tile_epilogue(z1, rows, tgt, off_m, off_n + BN // 2, 2 * pid_n + 1, e_desc,
                            bias_ptr, cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, zt_ptr,
-                           n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS, BN // 2)
+                           n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, BN // 2)
 
 
 @triton.jit
 def _tile_epilogue(z, rows, tgt, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_ptr, s_ptr,
                    a_ptr, ws_ptr, zt_ptr, n_tiles_v, E_DTYPE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
-                   BS: tl.constexpr):
-    """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E and the statistics from the
-    fp32 logits z (without the bias). In place on z, and each (BM, BS) temporary ends before
-    the next begins (registers)."""
+                   LOG_PROBS: tl.constexpr, BS: tl.constexpr):
+    """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E (with LOG_PROBS: U) and the
+    statistics from the fp32 logits z (without the bias). In place on z, and each (BM, BS)
+    temporary ends before the next begins (registers)."""
     cols = off_n + tl.arange(0, BS)
     in_v = cols < V
     in_m = rows < tl.where(t < n_tiles_v, M, 0)  # no row of a tile past V
     stat = rows.to(tl.int64) * n_tiles_v + t
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
-    here = in_m & (tgt >= off_n) & (tgt < off_n + BS) & (tgt < V)
-    tl.store(zt_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1),
-             mask=here)
+    if not LOG_PROBS:
+        here = in_m & (tgt >= off_n) & (tgt < off_n + BS) & (tgt < V)
+        tl.store(zt_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1),
+                 mask=here)
     if WITH_WS:
         if HAS_CW:
             cw = tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)
@@ -111,13 +122,22 @@ def _tile_epilogue(z, rows, tgt, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V
     z = tl.where(in_v[None, :], z, float("-inf"))
     # a NaN anywhere makes the tile's sum NaN (exp(NaN)), hence the row's lse
     mt = tl.max(z, 1)
-    tl.store(a_ptr + stat, tl.min(tl.where(z == mt[:, None], cols[None, :], 2147483647), 1),
-             mask=in_m)
+    if not LOG_PROBS:
+        tl.store(a_ptr + stat, tl.min(tl.where(z == mt[:, None], cols[None, :], 2147483647), 1),
+                 mask=in_m)
     # exp(-inf - m) = 0 past V; a row of -inf logits takes m = 0 here (not -inf - -inf = NaN)
-    e = tl.exp(z - tl.where(mt == float("-inf"), 0.0, mt)[:, None])
     tl.store(m_ptr + stat, mt, mask=in_m)
-    tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
-    e_desc.store([off_m, off_n], e.to(E_DTYPE))
+    if LOG_PROBS:
+        # U = z - m_t, stored rounded: |U| <= m_t - z <= lse - z = |log p|, so U's rounding
+        # error is at most one rounding of the log-probability itself (rounding z would cost
+        # |z| / |log p| of them: large logits, confident tokens)
+        u = z - tl.where(mt == float("-inf"), 0.0, mt)[:, None]
+        tl.store(s_ptr + stat, tl.sum(tl.exp(u), 1), mask=in_m)
+        e_desc.store([off_m, off_n], tl.where(in_v[None, :], u, 0.0).to(E_DTYPE))
+    else:
+        e = tl.exp(z - tl.where(mt == float("-inf"), 0.0, mt)[:, None])
+        tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
+        e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
 
 @triton.jit
@@ -173,6 +193,34 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
                   - smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW))
             tl.store(e_row + cols, tl.where(valid, dz, 0.0).to(e_ptr.dtype.element_ty),
                      mask=cols < VPAD)
+
+
+@triton.jit
+def log_probs_tiles_kernel(u_ptr, ldu, m_ptr, s_ptr, n_tiles_v, out_ptr, r0, V,
+                           BLOCK_T: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr):
+    """One program per chunk row r: lse = M + log sum_t s_t exp(m_t - M) from the row's
+    tiles, then log p = U + (m_t - lse) into out's row r0 + r (columns [0, V))."""
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    m_row = m_ptr + r * n_tiles_v
+    m = tl.load(m_row + t, mask=t < n_tiles_v, other=float("-inf"))
+    s = tl.load(s_ptr + r * n_tiles_v + t, mask=t < n_tiles_v, other=0.0)
+    big = tl.max(m, 0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
+    ti = tl.arange(0, TILES)
+    cj = tl.arange(0, BN)
+    u_row = u_ptr + r * ldu
+    out_row = out_ptr + (r0 + r) * V
+    for v0 in range(0, V, TILES * BN):
+        tiles = v0 // BN + ti
+        mt = tl.load(m_row + tiles, mask=tiles < n_tiles_v, other=0.0)
+        # (U was taken from m_t, or from 0 in a tile of -inf logits)
+        off = tl.where(mt == float("-inf"), 0.0, mt) - lse
+        cols = v0 + ti[:, None] * BN + cj[None, :]
+        u = tl.load(u_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, (u + off[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=cols < V)
 
 
 def applicable(p: Problem, lse_in, rows: int) -> bool:

@@ -47,10 +47,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config, logits_tiles
 from fused_ce.kernels.logits import tanh
-from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
@@ -488,8 +489,23 @@ def log_softmax_applicable(x: torch.Tensor) -> bool:
             and cublas_fp32_out_available(x.device))
 
 
+def log_probs_by_tiles(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether log_softmax takes the epilogue GEMM (config.LOG_PROBS_EPILOGUE; by default bf16
+    CUDA inputs) rather than cuBLAS fp32 logits: x and W addressable by TMA descriptors."""
+    wanted = config.LOG_PROBS_EPILOGUE
+    if wanted is None:
+        wanted = x.is_cuda and not config.interpreting() and x.dtype == torch.bfloat16
+    ok_dtype = x.dtype in ((torch.bfloat16, torch.float32) if config.interpreting()
+                           else (torch.bfloat16,))
+    return (bool(wanted) and ok_dtype and weight.dtype == x.dtype
+            and descriptor_ok(x) and descriptor_ok(weight))
+
+
 def log_softmax(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    """log-probabilities through fp32 cuBLAS logits chunks (no host sync: sizes are known)."""
+    """log-probabilities by row chunks (no host sync: sizes are known): the epilogue GEMM's U
+    where log_probs_by_tiles, else fp32 cuBLAS logits."""
+    if log_probs_by_tiles(x, weight):
+        return _log_softmax_tiles(x, weight, bias)
     n, v = x.shape[0], weight.shape[0]
     out = torch.empty((n, v), dtype=x.dtype, device=x.device)
     wp = padded_weight(weight)
@@ -503,4 +519,49 @@ def log_softmax(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         log_probs_rows_kernel[(cc,)](z, v_pad, bias if bias is not None else z, out, r0, v,
                                      HAS_BIAS=bias is not None, SINGLE=single,
                                      BLOCK_V=block_v, num_warps=warps)
+    return out
+
+
+def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """Per chunk of rows, logits_tiles_kernel (LOG_PROBS) stores U = z - m_t in the input dtype
+    (V padded to 64) with each (row, tile)'s m_t and sum_j exp(z_j - m_t); then
+    log_probs_tiles_kernel merges a row's tiles into its lse and writes U + m_t - lse. Bytes
+    per logit: U written and read, the output written (6 for bf16; the fp32 path moves 10). U
+    takes at most ROW_CHUNK_BYTES per chunk."""
+    n, h = x.shape
+    v = weight.shape[0]
+    out = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    cfg = config.current(h)["logits_tiles"]
+    width = logits_tiles.tile_width(cfg)
+    n_tiles = triton.cdiv(v, width)
+    v_pad = padded_vocab(v)
+    bm = cfg["BM"]
+    c_max = max(bm, config.ROW_CHUNK_BYTES // (v_pad * x.element_size() + n_tiles * 8)
+                // bm * bm)
+    c = min(n, triton.cdiv(triton.cdiv(n, triton.cdiv(n, c_max)), bm) * bm)
+    u = torch.empty((c, v_pad), dtype=x.dtype, device=x.device)
+    m = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)
+    s = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)
+    w_desc = TensorDescriptor.from_tensor(weight, [cfg["BN"], cfg["BK"]])
+    bias_arg = bias if bias is not None else weight
+    for r0 in range(0, n, c):
+        cc = min(c, n - r0)
+        x_desc = TensorDescriptor.from_tensor(x[r0:r0 + cc], [bm, cfg["BK"]])
+        u_desc = TensorDescriptor.from_tensor(u[:cc], [bm, width])
+        tiles = triton.cdiv(cc, bm) * triton.cdiv(v, cfg["BN"])
+        progs = min(tiles, cfg["programs"] if config.interpreting()
+                    else config.sm_count(x.device))
+        # (the targets, the row list and the other statistics are not read with LOG_PROBS)
+        logits_tiles.logits_tiles_kernel[(progs,)](
+            x_desc, w_desc, u_desc, bias_arg, m, m, m, 0, cc, v, h, m, s, m, m, m, n_tiles,
+            progs, E_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32,
+            HAS_BIAS=bias is not None, HAS_CW=False, WITH_WS=False,
+            UPCAST=config.interpreting(), BM=bm, BN=cfg["BN"], BK=cfg["BK"],
+            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], LOG_PROBS=True,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        logits_tiles.log_probs_tiles_kernel[(cc,)](
+            u, v_pad, m, s, n_tiles, out, r0, v, BLOCK_T=triton.next_power_of_2(n_tiles),
+            TILES=cfg["finish_tiles"], BN=width, num_warps=cfg["finish_warps"])
     return out
