@@ -214,6 +214,55 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
+def test_low_memory_dx_blocks(monkeypatch):
+    """The memory-minimal dX sweeps' layout (gradients._low_memory_dx_blocks): within the own
+    budgets without dW's buffer (or with one no larger than both), else the fewest launches
+    (within 25 %) from dW's buffer, tallest blocks first; accumulator plus D always fit it."""
+    import types
+    from fused_ce.kernels.gradients import _low_memory_dx_blocks
+    monkeypatch.setattr(config, "DX_ACC_BYTES_LOW_MEMORY", 32 * 48 * 4)
+    monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 32 * 64 * 4)
+    p = types.SimpleNamespace(x=torch.empty(1), cfg=config.INTERPRETER, H=48, V=1000)
+    assert _low_memory_dx_blocks(p, 100, 0) == (32, 64)
+    assert _low_memory_dx_blocks(p, 100, 32 * 48 * 4 + 32 * 64 * 4) == (32, 64)
+    for scratch in (40000, 100000, 400000):
+        rb, vc = _low_memory_dx_blocks(p, 100, scratch)
+        assert rb % 16 == 0 and vc % 32 == 0
+        assert rb * 48 * 4 + rb * vc * 4 + 32 <= scratch
+    # 400000 bytes: one block of all 100 rows (112: whole 16-row tiles; 21504 bytes of
+    # accumulator) leaves D 832 columns: 2 chunks, as few as any split
+    assert _low_memory_dx_blocks(p, 100, 400000) == (112, 832)
+    # 40000 bytes: one block leaves D 32 columns (32 launches), 2 blocks of 64 rows 96 (22),
+    # 7 blocks of 16 rows 576 (14, the fewest); the tallest within 25 % of 14: 4 blocks of 32
+    # rows, 4 chunks of 256 (16)
+    assert _low_memory_dx_blocks(p, 100, 40000) == (32, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("row_count", ["device", "host"])
+def test_low_memory_dw_tail(dtype, row_count, grad_path, monkeypatch):
+    """The memory-minimal dW sweep's first chunks keep D in dW's rows past them (still
+    unwritten; gradients._tail_widths), then its own buffers: 37 rows, V = 400 with D's budget
+    at one 32-column chunk, so chunks of 256, 64, then 32; ignored rows (with the count left on
+    the device, D spans every row and must start at zero in each chunk's new place)."""
+    import sys
+    mod = sys.modules["fused_ce.kernels.gradients"]
+    widths = []
+    real = mod._tail_widths
+    monkeypatch.setattr(mod, "_tail_widths", lambda *a: widths.append(real(*a)) or widths[-1])
+    monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 37 * 32 * dtype.itemsize + 64)
+    g = _gen()
+    x, w, b, t, _ = _inputs(37, 72, 400, dtype, out_of_shard=False, g=g)
+    co = _coefs(37, g)
+    kw = dict(coefs=co, need_dx=True, need_dw=True, need_db=True, low_memory=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, None, None, check_targets=row_count == "host",
+                           **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None,
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert any(len(ws) >= 2 for ws in widths), widths
+    _check_grads(ours, ref._asdict(), x, w, b, TOL[dtype]["grads"], (True, True, True))
+
+
 @pytest.mark.parametrize("budget,known,want", [
     (1400, True, (False, 4, 32)),  # gathered rows (768 bytes) over half the budget: still
                                    # as wide as D over all 40 rows, so gathered

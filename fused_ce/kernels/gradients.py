@@ -13,7 +13,10 @@ the chunk's fp32 dW (<= D_BYTES) and, when rows are ignored, x's valid rows gath
 Memory-minimal mode (five GEMM-equivalents): dX in row blocks whose fp32 accumulator is small,
 each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
 for dW and db. Workspace: D and the gathered rows (<= config.D_BYTES_LOW_MEMORY) + the dX
-block's accumulator or (cuBLAS) the chunk's fp32 dW (<= DX_ACC_BYTES_LOW_MEMORY).
+block's accumulator or (cuBLAS) the chunk's fp32 dW (<= DX_ACC_BYTES_LOW_MEMORY). When dW is
+asked for, the dX sweeps keep D and their accumulator in dW's buffer instead (the dW sweep
+writes all of it afterwards), with blocks and chunks sized by that buffer
+(_low_memory_dx_blocks).
 """
 
 from __future__ import annotations
@@ -99,8 +102,24 @@ def library_products(p: Problem) -> bool:
     return p.device.type == "cuda"
 
 
+def _carve(scratch, shapes_dtypes):
+    """Tensors of the given (shape, dtype)s laid out one after the other (16-byte aligned) in
+    the bytes of ``scratch``, or None where they do not all fit."""
+    if scratch is None:
+        return None
+    raw = scratch.view(-1).view(torch.uint8)
+    out, off = [], 0
+    for shape, dtype in shapes_dtypes:
+        size = shape[0] * shape[1] * dtype.itemsize
+        if off + size > raw.numel():
+            return None
+        out.append(raw[off:off + size].view(dtype).view(shape))
+        off = _round_up(off + size, 16)
+    return out
+
+
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
-           library: bool = False, by_row: bool = False):
+           library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
 
     ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
@@ -109,19 +128,19 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     compacted rows, dW's product takes x's rows gathered in that order, and dX's rows are
     scattered at the end (with every row valid, the compacted positions are the rows: x and dX
     are sliced instead). Rows no kernel writes (ignored tokens, positions past the valid count)
-    are zero in D, so the products give them exact zeros."""
+    are zero in D, so the products give them exact zeros. ``scratch``: a buffer nothing reads
+    before this sweep ends (the memory-minimal dX sweeps get dW's, which the dW sweep then
+    overwrites whole); D and dX's fp32 accumulator go there when they fit. ``dw_tail`` (a dW
+    sweep without dX): a chunk's D and fp32 dW go in dW's rows past the chunk, which later
+    chunks overwrite, as wide as they fit there while that is wider than vc (_tail_width)."""
     lg = p.cfg["logits"]
-    chunks = list(range(0, p.V, vc))
     store_d = dx is not None or dw is not None
-    vc_pad = _round_up(vc, 8)  # 16-byte aligned rows of D
     d_rows = p.N if by_row else rows
-    d_shape = (d_rows, vc_pad) if store_d else (1, 1)
     # every row tile holds a valid row (valid count read on the host): the kernels write all of
     # D's rows and db_part; else the tiles past the count exit early and D (cuBLAS reads it
     # whole) and db_part must start at zero
     all_written = not by_row and p.n_valid_host is not None and p0 + rows <= p.n_valid_host
     fill = library and not all_written
-    d = (torch.zeros if fill else torch.empty)(d_shape, dtype=p.x.dtype, device=p.device)
     # D's row r is the token row tokens[r]: by_row, or when every row is valid (the compacted
     # positions are then the rows themselves)
     in_order = by_row or p.n_valid_host == p.N
@@ -129,26 +148,63 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     f32 = torch.float32
     acc = None  # dX's fp32 accumulator
     acc_is_dx = dx is not None and library and in_order and dx.dtype == f32
-    if acc_is_dx:
-        acc = dx[tokens]  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
-    elif dx is not None and (library or len(chunks) > 1):
-        acc = torch.empty((d_rows, p.H), dtype=f32, device=p.device)
+    want_acc = not acc_is_dx and dx is not None and (library or vc < p.V)
     x_rows = None
-    dw32 = None
+    with_dw32 = library and dw is not None and dw.dtype != f32  # (an fp32 dw takes each
+    # chunk's product directly)
     if library and dw is not None:
         x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
-        if dw.dtype != f32:  # (an fp32 dw takes each chunk's product directly)
-            dw32 = torch.empty((min(vc, p.V), p.H), dtype=f32, device=p.device)
+    tail = dw_tail and dw is not None and dx is None
+    widths = _tail_widths(p, d_rows, vc, dw, with_dw32) if tail else []
+    vc_max = max([vc, *widths])
+    own = None  # (D, dW32) of width vc, made when a chunk needs them
+
+    def buffers(v0: int, width: int):
+        """(D, its row stride, the chunk's fp32 dW, dX's accumulator): from dW's rows past a
+        tail chunk, else the sweep's own ones of width vc (from ``scratch`` where they fit),
+        made at the first chunk that needs them. D is zero where fill asks (when made)."""
+        nonlocal own
+        in_tail = tail and width > vc
+        w_alloc = width if in_tail else min(vc, p.V)
+        pad = _round_up(width if in_tail else vc, 8)  # 16-byte aligned rows of D
+        shapes = [((d_rows, pad) if store_d else (1, 1), p.x.dtype)]
+        shapes += [((w_alloc, p.H), f32)] * with_dw32
+        if in_tail:
+            got = _carve(dw[v0 + width:], shapes)
+        else:
+            if own is None:
+                own = _carve(scratch, shapes + [((d_rows, p.H), f32)] * want_acc)
+                if own is None:
+                    own = [torch.empty(s, dtype=t, device=p.device) for s, t in shapes]
+                    if want_acc:
+                        own.append(torch.empty((d_rows, p.H), dtype=f32, device=p.device))
+                if fill:
+                    own[0].zero_()
+            got = own
+        if in_tail and fill:
+            got[0].zero_()
+        return (got[0], pad, got[1][:width] if with_dw32 else None,
+                got[-1] if want_acc else None)
+
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
-    db_part = (torch.empty((m_tiles, vc_pad), dtype=torch.float32, device=p.device)
+    db_flat = (torch.empty(m_tiles * _round_up(vc_max, 8), dtype=f32, device=p.device)
                if db is not None else None)
-    for i, v0 in enumerate(chunks):
-        width = min(vc, p.V - v0)
-        if db_part is not None and not all_written:
-            db_part.zero_()
+    v0, i = 0, 0
+    while v0 < p.V:
+        width = min(widths[i] if i < len(widths) else vc, p.V - v0)
+        d, ldd, dw32, acc_c = buffers(v0, width)
+        if acc_c is not None:
+            acc = acc_c
+        elif acc_is_dx:
+            acc = dx[tokens]  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
+        db_part = None
+        if db_flat is not None:
+            db_part = db_flat[:m_tiles * ldd].view(m_tiles, ldd)
+            if not all_written:
+                db_part.zero_()
         grad_logits_kernel[(m_tiles, triton.cdiv(width, lg["BLOCK_N"]))](
             p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
-            lse, *cf, scale, d, vc_pad, db_part if db_part is not None else d,
+            lse, *cf, scale, d, ldd, db_part if db_part is not None else d,
             p0, rows, v0, width, p.V, p.H, p.softcap_arg,
             HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,
             NEED_DB=db is not None, **p.flags, **lg)
@@ -158,21 +214,41 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
                 if dw32 is None:
                     gemm_f32(dc.t(), x_rows, dw[v0:v0 + width])
                 else:
-                    gemm_f32(dc.t(), x_rows, dw32[:width])
-                    dw[v0:v0 + width].copy_(dw32[:width])
+                    gemm_f32(dc.t(), x_rows, dw32)
+                    dw[v0:v0 + width].copy_(dw32)
             if dx is not None:
-                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=i > 0)
+                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
         else:
-            _triton_products(p, d, vc_pad, scale, p0, rows, v0, width, i == len(chunks) - 1,
+            _triton_products(p, d, ldd, scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
         if db is not None:
             torch.sum(db_part[:, :width], 0, out=db[v0:v0 + width])
+        v0, i = v0 + width, i + 1
     if library and dx is not None:
         if in_order:
             if not acc_is_dx:
                 dx[tokens].copy_(acc)
         else:
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
+
+
+def _tail_widths(p: Problem, d_rows: int, vc: int, dw, with_dw32: bool) -> list:
+    """Widths of the dW sweep's first chunks when each keeps its D (d_rows rows) and fp32 dW
+    chunk in dW's rows past it (still unwritten): each the widest multiple of the vocabulary
+    tile that fits there, as long as that is wider than vc (the own buffers' width, used for
+    the rest). At BERT's head on 8192 rows 2688, 2432, ... columns: 30 chunks instead of 60."""
+    block_n = p.cfg["logits"]["BLOCK_N"]
+    row_bytes = p.H * dw.element_size()  # one row of dW
+    per_col = d_rows * p.x.element_size() + p.H * 4 * with_dw32 + row_bytes
+    widths, v0 = [], 0
+    while v0 < p.V:
+        # D and dW32 (width w) within dW's rows [v0 + w, V), less 32 bytes of alignment
+        w = ((p.V - v0) * row_bytes - 32) // per_col // block_n * block_n
+        if w <= vc:
+            break
+        widths.append(w)
+        v0 += w
+    return widths
 
 
 def _triton_products(p: Problem, d, ldd, scale, p0, rows, v0, width, last, acc, dx, dw):
@@ -193,6 +269,35 @@ def _dw32_cap(p: Problem, library_dw: bool, budget: int) -> int:
     """Widest vocabulary chunk: V, or with cuBLAS dW products the width whose fp32 dW chunk
     (4 vc H bytes) fits in ``budget`` (at few rows, D's budget alone would allow vc = V)."""
     return max(1, budget // (4 * p.H)) if library_dw else p.V
+
+
+def _low_memory_dx_blocks(p: Problem, n_rows: int, scratch_bytes: int) -> tuple[int, int]:
+    """(rows per block, vocabulary chunk width) of the memory-minimal dX sweeps. Each row
+    block's fp32 accumulator stays within config.DX_ACC_BYTES_LOW_MEMORY and D within
+    D_BYTES_LOW_MEMORY; or, where dW's buffer (``scratch_bytes``: written only by the dW sweep
+    that follows) is larger than both together, accumulator and D share that buffer, split so
+    that the blocks times their chunks (the launches) are few. BERT's head (59 MiB: 30k x 1024
+    bf16): 8192 rows in 2 blocks of 6 chunks (12 launch pairs) instead of 8 blocks of 1024
+    rows with 8 chunks each (64)."""
+    elt = p.x.element_size()
+    block_m = p.cfg["logits"]["BLOCK_M"]
+    block_n = p.cfg["logits"]["BLOCK_N"]
+    acc_budget, d_budget = config.DX_ACC_BYTES_LOW_MEMORY, config.D_BYTES_LOW_MEMORY
+    options = []  # (row blocks x chunks, rows per block, chunk width), fewest blocks first
+    if scratch_bytes > acc_budget + d_budget:
+        for k in range(1, 17):
+            rb = _round_up(triton.cdiv(n_rows, k), block_m)
+            d_room = scratch_bytes - _round_up(rb * p.H * 4, 16) - 16  # (carving's alignment)
+            if d_room >= rb * block_n * elt:
+                vc = _fit(d_room // elt, rb, block_n, p.V)
+                options.append((triton.cdiv(n_rows, rb) * triton.cdiv(p.V, vc), rb, vc))
+    if options:
+        # the tallest blocks (dX products with more output tiles) within 25 % of the fewest
+        # launches
+        fewest = min(o[0] for o in options)
+        return next((rb, vc) for n, rb, vc in options if n <= 1.25 * fewest)
+    rb = _fit(acc_budget // 4, p.H, block_m, n_rows)
+    return rb, _fit(d_budget // elt, rb, block_n, p.V)
 
 
 def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool):
@@ -238,7 +343,6 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     db32 = torch.empty(p.V, dtype=torch.float32, device=p.device) if need_db else None
     elt = p.x.element_size()
     block_n = p.cfg["logits"]["BLOCK_N"]
-    block_m = p.cfg["logits"]["BLOCK_M"]
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
     known = p.n_valid_host is not None
@@ -251,17 +355,17 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                    by_row=lib and need_dw and not known)
         else:
             if need_dx:
-                rb = ov.get("row_block") or _fit(config.DX_ACC_BYTES_LOW_MEMORY // 4, p.H,
-                                                 block_m, n_rows)
-                rvc = ov.get("row_vc") or _fit(config.D_BYTES_LOW_MEMORY // elt, rb, block_n,
-                                               p.V)
+                scratch = dw  # (None without dW; else written whole by the dW sweep below)
+                rb, rvc = _low_memory_dx_blocks(
+                    p, n_rows, 0 if dw is None else dw.numel() * dw.element_size())
+                rb, rvc = ov.get("row_block") or rb, ov.get("row_vc") or rvc
                 for p0 in range(0, n_rows, rb):
                     _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
-                           library=lib)
+                           library=lib, scratch=scratch)
             if need_dw or need_db:
                 by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
                 _sweep(p, lse, cf, scale, 0, rows, ov.get("vc") or vc, dw=dw, db=db32,
-                       library=lib, by_row=by_row)
+                       library=lib, by_row=by_row, dw_tail=dw is not None)
     else:
         if dw is not None:
             dw.zero_()
