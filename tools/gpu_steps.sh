@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of the seventh to fifteenth sessions. STEPS picks among:
+# Device calls of the seventh to sixteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
