@@ -132,7 +132,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     before this sweep ends (the memory-minimal dX sweeps get dW's, which the dW sweep then
     overwrites whole); D and dX's fp32 accumulator go there when they fit. ``dw_tail`` (a dW
     sweep without dX): a chunk's D and fp32 dW go in dW's rows past the chunk, which later
-    chunks overwrite, as wide as they fit there while that is wider than vc (_tail_width)."""
+    chunks overwrite, as wide as they fit there while that is wider than vc (_tail_widths)."""
     lg = p.cfg["logits"]
     store_d = dx is not None or dw is not None
     d_rows = p.N if by_row else rows
@@ -157,7 +157,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     tail = dw_tail and dw is not None and dx is None
     widths = _tail_widths(p, d_rows, vc, dw, with_dw32) if tail else []
     vc_max = max([vc, *widths])
-    own = None  # (D, dW32) of width vc, made when a chunk needs them
+    own = None  # [D, dW32, dX's accumulator] as asked for, of width vc: made when first needed
 
     def buffers(v0: int, width: int):
         """(D, its row stride, the chunk's fp32 dW, dX's accumulator): from dW's rows past a
