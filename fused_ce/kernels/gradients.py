@@ -146,8 +146,10 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     in_order = by_row or p.n_valid_host == p.N
     tokens = slice(0, p.N) if by_row else slice(p0, p0 + rows)
     f32 = torch.float32
-    acc = None  # dX's fp32 accumulator
     acc_is_dx = dx is not None and library and in_order and dx.dtype == f32
+    # dX's fp32 accumulator: cuBLAS accumulates straight into an fp32 dx in the tokens' order;
+    # else one of the sweep's own buffers (``want_acc``)
+    acc = dx[tokens] if acc_is_dx else None
     want_acc = not acc_is_dx and dx is not None and (library or vc < p.V)
     x_rows = None
     with_dw32 = library and dw is not None and dw.dtype != f32  # (an fp32 dw takes each
@@ -173,11 +175,9 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             got = _carve(dw[v0 + width:], shapes)
         else:
             if own is None:
-                own = _carve(scratch, shapes + [((d_rows, p.H), f32)] * want_acc)
-                if own is None:
-                    own = [torch.empty(s, dtype=t, device=p.device) for s, t in shapes]
-                    if want_acc:
-                        own.append(torch.empty((d_rows, p.H), dtype=f32, device=p.device))
+                shapes += [((d_rows, p.H), f32)] * want_acc
+                own = _carve(scratch, shapes) or [torch.empty(s, dtype=t, device=p.device)
+                                                  for s, t in shapes]
                 if fill:
                     own[0].zero_()
             got = own
@@ -192,11 +192,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     v0, i = 0, 0
     while v0 < p.V:
         width = min(widths[i] if i < len(widths) else vc, p.V - v0)
-        d, ldd, dw32, acc_c = buffers(v0, width)
-        if acc_c is not None:
-            acc = acc_c
-        elif acc_is_dx:
-            acc = dx[tokens]  # cuBLAS accumulates straight into an fp32 dx in the tokens' order
+        d, ldd, dw32, own_acc = buffers(v0, width)
+        acc = own_acc if want_acc else acc
         db_part = None
         if db_flat is not None:
             db_part = db_flat[:m_tiles * ldd].view(m_tiles, ldd)

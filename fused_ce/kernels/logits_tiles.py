@@ -125,17 +125,18 @@ def _tile_epilogue(z, rows, tgt, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V
     if not LOG_PROBS:
         tl.store(a_ptr + stat, tl.min(tl.where(z == mt[:, None], cols[None, :], 2147483647), 1),
                  mask=in_m)
-    # exp(-inf - m) = 0 past V; a row of -inf logits takes m = 0 here (not -inf - -inf = NaN)
     tl.store(m_ptr + stat, mt, mask=in_m)
+    # z - m_t; exp(-inf - m) = 0 past V; a row of -inf logits takes m = 0 here (not -inf - -inf
+    # = NaN)
+    u = z - tl.where(mt == float("-inf"), 0.0, mt)[:, None]
     if LOG_PROBS:
-        # U = z - m_t, stored rounded: |U| <= m_t - z <= lse - z = |log p|, so U's rounding
-        # error is at most one rounding of the log-probability itself (rounding z would cost
-        # |z| / |log p| of them: large logits, confident tokens)
-        u = z - tl.where(mt == float("-inf"), 0.0, mt)[:, None]
+        # U stored rounded: |U| = m_t - z <= lse - z = |log p|, so U's rounding error is at
+        # most one rounding of the log-probability itself (rounding z would cost |z| / |log p|
+        # of them: large logits, confident tokens)
         tl.store(s_ptr + stat, tl.sum(tl.exp(u), 1), mask=in_m)
         e_desc.store([off_m, off_n], tl.where(in_v[None, :], u, 0.0).to(E_DTYPE))
     else:
-        e = tl.exp(z - tl.where(mt == float("-inf"), 0.0, mt)[:, None])
+        e = tl.exp(u)
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
         e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
@@ -249,6 +250,24 @@ def tile_width(cfg: dict) -> int:
     return cfg["BN"] // cfg["split"]
 
 
+def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, target, row_idx,
+           c0: int, V: int, m, s, a, ws, zt, n_tiles: int, **flags) -> None:
+    """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
+    multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)]; ``flags``: HAS_BIAS, HAS_CW,
+    WITH_WS and LOG_PROBS, the rest from the tile configuration ``cfg``."""
+    cc, h = xc.shape
+    x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
+    e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], tile_width(cfg)])
+    tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
+    progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
+    logits_tiles_kernel[(progs,)](
+        x_desc, w_desc, e_desc, bias, cw, target, row_idx, c0, cc, V, h, m, s, a, ws, zt,
+        n_tiles, progs, E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
+        UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+        SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **flags)
+
+
 class TileStats:
     """The per-(row, tile) workspace of one call: chunks of up to ``rows`` rows."""
 
@@ -267,20 +286,9 @@ class TileStats:
     def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
                with_ws: bool) -> None:
         """E over e[:len(xc), :V] and the tile statistics of the chunk's rows."""
-        cfg, cc = self.cfg, xc.shape[0]
-        x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
-        e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], tile_width(cfg)])
-        tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(p.V, cfg["BN"])
-        progs = min(tiles, cfg["programs"] if config.interpreting()
-                    else config.sm_count(p.device))
-        logits_tiles_kernel[(progs,)](
-            x_desc, self.w_desc, e_desc, bias, p.cw_arg, p.target, p.row_idx, c0, cc, p.V, p.H,
-            self.m, self.s, self.a, self.ws, self.zt, self.n_tiles, progs,
-            E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
-            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
-            UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+        launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.target, p.row_idx, c0, p.V,
+               self.m, self.s, self.a, self.ws, self.zt, self.n_tiles,
+               HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
 
     def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, grid_rows: int, cf, out,
                with_ws: bool, need_d: bool) -> None:

@@ -548,19 +548,10 @@ def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Ten
     bias_arg = bias if bias is not None else weight
     for r0 in range(0, n, c):
         cc = min(c, n - r0)
-        x_desc = TensorDescriptor.from_tensor(x[r0:r0 + cc], [bm, cfg["BK"]])
-        u_desc = TensorDescriptor.from_tensor(u[:cc], [bm, width])
-        tiles = triton.cdiv(cc, bm) * triton.cdiv(v, cfg["BN"])
-        progs = min(tiles, cfg["programs"] if config.interpreting()
-                    else config.sm_count(x.device))
         # (the targets, the row list and the other statistics are not read with LOG_PROBS)
-        logits_tiles.logits_tiles_kernel[(progs,)](
-            x_desc, w_desc, u_desc, bias_arg, m, m, m, 0, cc, v, h, m, s, m, m, m, n_tiles,
-            progs, E_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32,
-            HAS_BIAS=bias is not None, HAS_CW=False, WITH_WS=False,
-            UPCAST=config.interpreting(), BM=bm, BN=cfg["BN"], BK=cfg["BK"],
-            SPLIT=cfg["split"], FLATTEN=cfg["flatten"], LOG_PROBS=True,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        logits_tiles.launch(cfg, x[r0:r0 + cc], w_desc, u, bias_arg, m, m, m, 0, v, m, s, m, m,
+                            m, n_tiles, HAS_BIAS=bias is not None, HAS_CW=False,
+                            WITH_WS=False, LOG_PROBS=True)
         logits_tiles.log_probs_tiles_kernel[(cc,)](
             u, v_pad, m, s, n_tiles, out, r0, v, BLOCK_T=triton.next_power_of_2(n_tiles),
             TILES=cfg["finish_tiles"], BN=width, num_warps=cfg["finish_warps"])
