@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of the seventh to sixteenth sessions. STEPS picks among:
+# Device calls of the seventh to seventeenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
@@ -18,6 +18,8 @@
 #   mlm_paths       GPU vs host time of the epilogue and fp32 Z paths (tools/probe_mlm_paths.py)
 #   profile         GPU time per kernel, wall and busy time (tools/profile_kernels.py) of
 #                   PROFILE_METHODS (fused_ce_lowmem) at PROFILE_SHAPES (fifteenth)
+#   db_fold         db in the dW product by a ones column on x, tools/probe_db_fold.py
+#                   (seventeenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -34,6 +36,8 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
+db_fold) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_db_fold.py 2>&1 | grep -v Warn \
+         | tee "$OUT/db_fold.log" ;;
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
