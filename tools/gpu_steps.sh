@@ -20,6 +20,8 @@
 #                   PROFILE_METHODS (fused_ce_lowmem) at PROFILE_SHAPES (fifteenth)
 #   db_fold         db in the dW product by a ones column on x, tools/probe_db_fold.py
 #                   (seventeenth)
+#   db_parts        db from partial column sums written with D, per tile shape,
+#                   tools/probe_db_parts.py (seventeenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
 set -o pipefail
@@ -38,6 +40,8 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
 db_fold) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_db_fold.py 2>&1 | grep -v Warn \
          | tee "$OUT/db_fold.log" ;;
+db_parts) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_db_parts.py 2>&1 | grep -v Warn \
+         | tee "$OUT/db_parts.log" ;;
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
 tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;

@@ -100,6 +100,10 @@ def logits_tiles_cases(variants: bool):
                           TILES=cfg["finish_tiles"], BN=bs)
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
                    logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
+        for cw in [False] + [True] * variants:
+            yield (f"d_tiles_kernel {name}" + " cw" * cw, logits_tiles.d_tiles_kernel,
+                   dict(HAS_CW=cw, ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=bs), {},
+                   cfg["db_warps"], 1, "bf16")
         yield (f"log_probs_tiles_kernel {name}", logits_tiles.log_probs_tiles_kernel,
                dict(BLOCK_T=256, TILES=cfg["finish_tiles"], BN=bs), {}, cfg["finish_warps"], 1,
                "bf16")

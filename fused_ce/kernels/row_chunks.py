@@ -18,7 +18,9 @@ Per chunk of c compacted valid rows ``x_c`` (dW accumulated across chunks)::
     dW32        += D.T @ x_c           cuBLAS accumulating into fp32 (no bf16 drift); a single
                                        chunk writes it from one product over all rows
     db32        += 1 @ D               a (1 x c) GEMM into fp32: D's column sums (c rounded up
-                                       to a multiple of 8 by zero rows of D: DB_ROWS_ALIGN)
+                                       to a multiple of 8 by zero rows of D: DB_ROWS_ALIGN);
+                                       on the epilogue path below, the sum of the column sums
+                                       that the kernel writing D leaves per 64 rows
 
 The gradients are returned in fp32, unrounded: the backward of the summed loss multiplies them
 by the upstream gradient and rounds each element once (scale.py). Rounded here and scaled
@@ -339,9 +341,13 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
     # (rows rounded up for the db product: DB_ROWS_ALIGN)
+    db_parts = None
     if tiles:  # E, then D over it, in the input dtype (logits_tiles.py)
         d = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=p.x.dtype, device=dev)
         ts = logits_tiles.TileStats(p, d.shape[0], with_ws)
+        if out.db32 is not None:  # db from the partial column sums written with D
+            db_parts = torch.empty((logits_tiles.db_part_rows(ts.cfg, min(c, nv)), v_pad),
+                                   dtype=torch.float32, device=dev)
     else:
         # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
         # padded W, or never written; the kernel reads them, aligned, and masks them out)
@@ -367,10 +373,10 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
-        # with db, D's rows [cc, db_rows(cc)) are zeroed by the same launch
-        grid_rows = _db_rows(cc) if out.db32 is not None else cc
+        # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
+        grid_rows = _db_rows(cc) if out.db32 is not None and db_parts is None else cc
         if tiles:
-            ts.finish(p, d, c0, cc, grid_rows, cf, out, with_ws, need_d)
+            n_parts = ts.finish(p, d, c0, cc, grid_rows, cf, out, with_ws, need_d, db_parts)
         else:
             finish_rows_kernel[(grid_rows,)](
                 z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
@@ -390,7 +396,12 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 out.dx32.index_copy_(0, rows[c0:c0 + cc], dst)
         for a, b in parts if out.dw32 is not None else ():
             gemm_f32(dc[:, a:b].t(), xc, out.dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
-        if out.db32 is not None:  # column sums of D as a (1 x cc') @ D product into fp32
+        if db_parts is not None:  # (D unscaled: bf16, or fp32 under the interpreter)
+            if c0 == 0:
+                torch.sum(db_parts[:n_parts], 0, out=out.db32[0])
+            else:
+                out.db32[0] += db_parts[:n_parts].sum(0)
+        elif out.db32 is not None:  # column sums of D as a (1 x cc') @ D product into fp32
             k = _db_rows(cc)
             gemm_f32(ones[:, :k], d[:k, :v_gemm], out.db32[:, :v_gemm], alpha=inv_scale,
                      accumulate=c0 > 0)
