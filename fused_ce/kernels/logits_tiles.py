@@ -148,24 +148,18 @@ def _tile_epilogue(z, rows, tgt, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V
 
 @triton.jit
 def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n_tiles_v,
-                        cw_ptr, target_ptr, row_idx_ptr, c0, n_rows, c_tgt_ptr, c_smooth_ptr,
+                        cw_ptr, target_ptr, row_idx_ptr, c0, c_tgt_ptr, c_smooth_ptr,
                         c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
                         nll_ptr, loss_ptr, V, VPAD, HAS_CW: tl.constexpr,
                         WITH_WS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
                         TILES: tl.constexpr, BN: tl.constexpr):
-    """One program per chunk row r: the row's statistics and loss from its tiles, then D over
-    E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step. Programs
-    r >= n_rows write a zero row of D (padding rows for the db product)."""
+    """One program per chunk row r: the row's statistics and loss from its tiles, then (with
+    NEED_D) D over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per
+    step."""
     r = tl.program_id(0).to(tl.int64)
     e_row = e_ptr + r * lde
     ti = tl.arange(0, TILES)
     cj = tl.arange(0, BN)
-    if r >= n_rows:
-        for v0 in range(0, VPAD, TILES * BN):
-            cols = v0 + ti[:, None] * BN + cj[None, :]
-            tl.store(e_row + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
-                     mask=cols < VPAD)
-        return
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
     t = tl.arange(0, BLOCK_T)
@@ -333,15 +327,15 @@ class TileStats:
                self.m, self.s, self.a, self.ws, self.zt, self.n_tiles,
                HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
 
-    def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, grid_rows: int, cf, out,
-               with_ws: bool, need_d: bool, db_parts=None) -> int:
-        """The statistics and loss of the chunk's rows, D over E (rows [cc, grid_rows): zero).
-        With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from d_tiles_kernel,
-        which also writes db's partial sums there; returns how many rows of them."""
+    def finish(self, p: Problem, e: torch.Tensor, c0: int, cc: int, cf, out, with_ws: bool,
+               need_d: bool, db_parts=None) -> int:
+        """The statistics and loss of the chunk's cc rows, and D over E. With ``db_parts``
+        (fp32, ``db_part_rows(cc)`` x E's width) D comes from d_tiles_kernel, which also writes
+        db's partial sums there; returns how many rows of them."""
         cfg = self.cfg
-        finish_tiles_kernel[(grid_rows if db_parts is None else cc,)](
+        finish_tiles_kernel[(cc,)](
             e, e.shape[1], self.m, self.s, self.a, self.ws, self.zt, self.n_tiles, p.cw_arg,
-            p.target, p.row_idx, c0, cc, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll,
+            p.target, p.row_idx, c0, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll,
             out.loss, p.V, e.shape[1], HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             NEED_D=need_d and db_parts is None, BLOCK_T=triton.next_power_of_2(self.n_tiles),
             TILES=cfg["finish_tiles"], BN=tile_width(cfg), num_warps=cfg["finish_warps"])

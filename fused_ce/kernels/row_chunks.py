@@ -340,17 +340,17 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     split = split_weight(p.weight)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
-    # (rows rounded up for the db product: DB_ROWS_ALIGN)
     db_parts = None
     if tiles:  # E, then D over it, in the input dtype (logits_tiles.py)
-        d = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=p.x.dtype, device=dev)
+        d = torch.empty((min(c, nv), v_pad), dtype=p.x.dtype, device=dev)
         ts = logits_tiles.TileStats(p, d.shape[0], with_ws)
         if out.db32 is not None:  # db from the partial column sums written with D
             db_parts = torch.empty((logits_tiles.db_part_rows(ts.cfg, min(c, nv)), v_pad),
                                    dtype=torch.float32, device=dev)
     else:
         # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
-        # padded W, or never written; the kernel reads them, aligned, and masks them out)
+        # padded W, or never written; the kernel reads them, aligned, and masks them out; rows
+        # rounded up for the db product: DB_ROWS_ALIGN)
         z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
         # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
         d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
@@ -373,11 +373,11 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
-        # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
-        grid_rows = _db_rows(cc) if out.db32 is not None and db_parts is None else cc
         if tiles:
-            n_parts = ts.finish(p, d, c0, cc, grid_rows, cf, out, with_ws, need_d, db_parts)
+            n_parts = ts.finish(p, d, c0, cc, cf, out, with_ws, need_d, db_parts)
         else:
+            # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
+            grid_rows = _db_rows(cc) if out.db32 is not None else cc
             finish_rows_kernel[(grid_rows,)](
                 z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
                 scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
