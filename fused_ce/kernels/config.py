@@ -27,7 +27,9 @@ GPU = {
     # column parts (vocabulary tiles of BN / split columns). H100, same call, epilogue vs fp32
     # Z (NOTES.md #41): BERT heads 3.48-3.59 vs 3.86-4.02 ms at 8k tokens (647 vs 447 MiB:
     # one chunk), 6.73-6.94 vs 7.09-7.20 at 16k (495 vs 723 MiB), but MLM's 2458 valid rows
-    # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on
+    # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on. db_*: d_tiles_kernel's tile (rows,
+    # vocabulary tiles, warps) for D with db's partial sums; (64, 4, 4), (32, 16, 8), (128, 16,
+    # 8) and (64, 8, 4) within the spread on an H100 (NOTES.md #51)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, use=True, min_rows=4096,
                          db_rows=64, db_tiles=16, db_warps=8),
