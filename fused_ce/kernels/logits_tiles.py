@@ -180,19 +180,26 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, zt_in_ptr, n
     if NEED_D:
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)
-        d_t = alpha * tl.exp(zt - lse) - c_tgt  # the target's entry, from the fp32 z_t
+        d_t = alpha * tl.exp(zt - lse) - c_tgt
         for v0 in range(0, VPAD, TILES * BN):
             tiles = v0 // BN + ti
-            # p = E exp(m_t - lse): one exp per tile, not per logit
-            f = alpha * tl.exp(tl.load(m_ptr + r * n_tiles_v + tiles,
-                                       mask=tiles < n_tiles_v, other=0.0) - lse)
             cols = v0 + ti[:, None] * BN + cj[None, :]
-            valid = cols < V
-            e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
-            dz = (tl.where(cols == tgt, d_t, e * f[:, None])
-                  - smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW))
-            tl.store(e_row + cols, tl.where(valid, dz, 0.0).to(e_ptr.dtype.element_ty),
-                     mask=cols < VPAD)
+            _store_d_block(e_row, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse, alpha,
+                           d_t, tgt, smoothing(cols, cols < V, c_smooth, cw_ptr, HAS_CW), V,
+                           VPAD)
+
+
+@triton.jit
+def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, smooth, V, VPAD):
+    """One row's D over its E on the (tiles, BN) block ``cols``, in place, and returned as
+    stored: alpha p_j - smooth_j, where p = E exp(m_t - lse) (one exp per tile, not per logit),
+    the target's entry d_t (taken from the fp32 z_t, not from the rounded E), 0 past V."""
+    f = alpha * tl.exp(tl.load(m_row + tiles, mask=tiles < n_tiles_v, other=0.0) - lse)
+    e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
+    dz = tl.where(cols == tgt, d_t, e * f[:, None]) - smooth
+    d = tl.where(cols < V, dz, 0.0).to(e_row.dtype.element_ty)
+    tl.store(e_row + cols, d, mask=cols < VPAD)
+    return d
 
 
 @triton.jit
@@ -208,9 +215,7 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_in_ptr, n_tiles_v, cw_ptr, target_ptr, 
     i = tl.program_id(0)
     tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
     cols = tiles[:, None] * BN + tl.arange(0, BN)[None, :]
-    valid = cols < V
-    in_pad = cols < VPAD
-    w_smooth = smoothing(cols, valid, 1.0, cw_ptr, HAS_CW)  # w_j (1 without class weights)
+    w_smooth = smoothing(cols, cols < V, 1.0, cw_ptr, HAS_CW)  # w_j (1 without class weights)
     acc = tl.zeros((TILES, BN), tl.float32)
     r0 = i.to(tl.int64) * ROWS
     for k in range(0, tl.minimum(ROWS, n_rows - i * ROWS)):
@@ -222,15 +227,10 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_in_ptr, n_tiles_v, cw_ptr, target_ptr, 
                                             c_lse_sq_ptr)
         zt = tl.where((tgt >= 0) & (tgt < V), tl.load(zt_in_ptr + r), 0.0)
         d_t = alpha * tl.exp(zt - lse) - c_tgt
-        f = alpha * tl.exp(tl.load(m_ptr + r * n_tiles_v + tiles, mask=tiles < n_tiles_v,
-                                   other=0.0) - lse)
-        e_row = e_ptr + r * lde
-        e = tl.load(e_row + cols, mask=in_pad, other=0.0).to(tl.float32)
-        dz = tl.where(cols == tgt, d_t, e * f[:, None]) - c_smooth * w_smooth
-        d = tl.where(valid, dz, 0.0).to(e_ptr.dtype.element_ty)
-        tl.store(e_row + cols, d, mask=in_pad)
+        d = _store_d_block(e_ptr + r * lde, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse,
+                           alpha, d_t, tgt, c_smooth * w_smooth, V, VPAD)
         acc += d.to(tl.float32)
-    tl.store(db_ptr + i.to(tl.int64) * VPAD + cols, acc, mask=in_pad)
+    tl.store(db_ptr + i.to(tl.int64) * VPAD + cols, acc, mask=cols < VPAD)
 
 
 @triton.jit
