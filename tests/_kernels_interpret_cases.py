@@ -426,18 +426,21 @@ def test_supports_under_interpreter():
     assert kernels.supports(torch.zeros(1))
 
 
-@pytest.fixture(params=["vocab_sweep", "vocab_sweep_library", "row_chunks"])
+@pytest.fixture(params=["vocab_sweep", "vocab_sweep_library", "row_chunks", "row_chunks_tiles"])
 def grad_path(request, monkeypatch):
     """Both paths of forward-with-gradients: the vocabulary sweep with its Triton products or
     (``_library``) with the products by torch.mm (CPU GEMMs stand in for cuBLAS; fp16 keeps
     the Triton products), and the row-chunk path (row_chunks.py) with a Z budget of a few rows,
-    so that dW is accumulated over several chunks."""
+    so that dW is accumulated over several chunks; ``_tiles``: its logits by the epilogue GEMM
+    (logits_tiles.py) wherever that applies (fp32 here, no softcap)."""
     if request.param == "vocab_sweep_library":
         monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
-    if request.param == "row_chunks":
+    if request.param.startswith("row_chunks"):
         monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
         monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)  # 7 rows of Z at V <= 128
         monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)  # (no lower bound from the rows)
+    if request.param == "row_chunks_tiles":
+        monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
     return request.param
 
 
