@@ -50,7 +50,8 @@ bench) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/ber
          --methods ${BENCH_METHODS:-fused_ce,kernels,compile,liger,floor} 2>&1 | grep -v Warn \
          | tee "$OUT/bert.log" | tail -30 ;;
 large) timeout ${LARGE_TIMEOUT:-150} python3 benchmarks/bench.py --out "$OUT/large" $B \
-         --warmup-steps 2 --shapes llama3,gemma2 --methods ${LARGE_METHODS:-fused_ce,floor} 2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
+         --warmup-steps 2 --shapes llama3,gemma2 --methods ${LARGE_METHODS:-fused_ce,floor} \
+         2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
 finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
           | tee "$OUT/finish_once.log" ;;
 upstream) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_upstream.py 2>&1 | grep -v Warn | tee "$OUT/upstream.log" ;;

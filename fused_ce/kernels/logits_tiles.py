@@ -43,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
 from fused_ce.kernels.problem import Problem, descriptor_ok
-from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
+from fused_ce.kernels.row_loss import grad_coefs, merged_lse, smoothing, store_row_stats
 
 
 @triton.jit
@@ -243,9 +243,8 @@ def log_probs_tiles_kernel(u_ptr, ldu, m_ptr, s_ptr, n_tiles_v, out_ptr, r0, V,
     m_row = m_ptr + r * n_tiles_v
     m = tl.load(m_row + t, mask=t < n_tiles_v, other=float("-inf"))
     s = tl.load(s_ptr + r * n_tiles_v + t, mask=t < n_tiles_v, other=0.0)
-    big = tl.max(m, 0)
-    big = tl.where(big == float("-inf"), 0.0, big)
-    lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
+    mx, log_s = merged_lse(m, s)
+    lse = mx + log_s
     ti = tl.arange(0, TILES)
     cj = tl.arange(0, BN)
     u_row = u_ptr + r * ldu

@@ -230,9 +230,15 @@ def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
     align = 128 if c_max >= 128 else 1
-    c_max = c_max // align * align
-    c = min(c_max, triton.cdiv(triton.cdiv(rows, triton.cdiv(rows, c_max)), align) * align)
+    c = _balanced_chunk(rows, c_max // align * align, align)
     return triton.cdiv(rows, c), c
+
+
+def _balanced_chunk(rows: int, c_max: int, align: int) -> int:
+    """Rows per chunk of ``rows`` in as few chunks of at most c_max (a multiple of ``align``)
+    as possible, balanced, rounded up to a multiple of ``align`` (at most ``rows``)."""
+    return min(rows, c_max, triton.cdiv(triton.cdiv(rows, triton.cdiv(rows, c_max)), align)
+               * align)
 
 
 def row_chunk_budget(dw32_bytes: int, rows: int = 0, bytes_per_row: int = 0) -> int:
@@ -549,9 +555,8 @@ def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Ten
     n_tiles = triton.cdiv(v, width)
     v_pad = padded_vocab(v)
     bm = cfg["BM"]
-    c_max = max(bm, config.ROW_CHUNK_BYTES // (v_pad * x.element_size() + n_tiles * 8)
-                // bm * bm)
-    c = min(n, triton.cdiv(triton.cdiv(n, triton.cdiv(n, c_max)), bm) * bm)
+    per_row = v_pad * x.element_size() + n_tiles * 8  # U and the tile statistics
+    c = _balanced_chunk(n, max(bm, config.ROW_CHUNK_BYTES // per_row // bm * bm), bm)
     u = torch.empty((c, v_pad), dtype=x.dtype, device=x.device)
     m = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)
     s = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)

@@ -30,6 +30,15 @@ def _row_loss(row, lse, zt, ws, nll, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_
 
 
 @triton.jit
+def merged_lse(m, s):
+    """(M, log S) of a row from its lanes' (or tiles') running maxima m and sums
+    s = sum exp(z - m): lse = M + log S with M = max m and S = sum s exp(m - M). Lanes that
+    saw no finite logit (m = -inf) add nothing, also when every lane is such (lse = -inf)."""
+    mx = tl.max(m, 0)
+    return mx, tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
+
+
+@triton.jit
 def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                     c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
                     WITH_WS: tl.constexpr):
@@ -37,11 +46,10 @@ def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_p
     s = sum exp(z - m), the first column of m, a weighted sum) and writes the row's statistics
     and loss (``zt``: its target's finished logit, 0 when the target is not a column here);
     returns its lse."""
-    mx = tl.max(m, 0)
+    mx, log_s = merged_lse(m, s)
     # first column attaining the row max: the smallest lane-first index among the lanes
     # whose max equals it (torch.argmax's tie rule)
     am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
-    log_s = tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0))
     lse = mx + log_s
     has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
     nll = _nll(mx, log_s, lse, zt, has_t)
