@@ -81,9 +81,6 @@ def launch_parts():
     n_t = triton.cdiv(v, cfg["BN"] // cfg["split"])
     m, s_, ws = (torch.empty(c, n_t, device="cuda") for _ in range(3))
     a = torch.empty(c, n_t, device="cuda", dtype=torch.int32)
-    zt = torch.empty(c, device="cuda")
-    tgt = torch.randint(0, v, (c,), device="cuda")
-    rows = torch.arange(c, device="cuda", dtype=torch.int32)
     b = torch.zeros(v, device="cuda")
     w_desc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
 
@@ -102,14 +99,14 @@ def launch_parts():
     kw = dict(HAS_BIAS=True, HAS_CW=False, WITH_WS=False)
 
     def full():
-        logits_tiles.launch(cfg, x, w_desc, e, b, b, tgt, rows, 0, v, m, s_, a, ws, zt, n_t, **kw)
+        logits_tiles.launch(cfg, x, w_desc, e, b, b, v, m, s_, a, ws, n_t, **kw)
     full()
     torch.cuda.synchronize()
     fn = logits_tiles.logits_tiles_kernel
     x_d = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
     e_d = TensorDescriptor.from_tensor(e, [cfg["BM"], cfg["BN"] // cfg["split"]])
     progs = 132
-    args = (x_d, w_desc, e_d, b, b, tgt, rows, 0, c, v, h, m, s_, a, ws, zt, n_t, progs)
+    args = (x_d, w_desc, e_d, b, b, c, v, h, m, s_, a, ws, n_t, progs)
     kwargs = dict(E_DTYPE=triton.language.bfloat16, UPCAST=False, BM=cfg["BM"], BN=cfg["BN"],
                   BK=cfg["BK"], SPLIT=cfg["split"], FLATTEN=cfg["flatten"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **kw)

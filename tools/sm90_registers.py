@@ -96,8 +96,9 @@ def logits_tiles_cases(variants: bool):
                     "LOG_PROBS": True}, desc, cfg["num_warps"], cfg["num_stages"], "bf16")
         bs = logits_tiles.tile_width(cfg)
         for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
-            consts = dict(HAS_CW=cw, WITH_WS=ws, NEED_D=need_d, BLOCK_T=256,
-                          TILES=cfg["finish_tiles"], BN=bs)
+            consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, NEED_D=need_d,
+                          BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
+                          BN=bs)
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
                    logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
         for cw in [False] + [True] * variants:

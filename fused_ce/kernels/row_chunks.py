@@ -380,7 +380,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
         if tiles:
-            n_parts = ts.finish(p, d, c0, cc, cf, out, with_ws, need_d, db_parts)
+            n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts)
         else:
             # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
             grid_rows = _db_rows(cc) if out.db32 is not None else cc
@@ -565,8 +565,8 @@ def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Ten
     for r0 in range(0, n, c):
         cc = min(c, n - r0)
         # (the targets, the row list and the other statistics are not read with LOG_PROBS)
-        logits_tiles.launch(cfg, x[r0:r0 + cc], w_desc, u, bias_arg, m, m, m, 0, v, m, s, m, m,
-                            m, n_tiles, HAS_BIAS=bias is not None, HAS_CW=False,
+        logits_tiles.launch(cfg, x[r0:r0 + cc], w_desc, u, bias_arg, m, v, m, s, m, m, n_tiles,
+                            HAS_BIAS=bias is not None, HAS_CW=False,
                             WITH_WS=False, LOG_PROBS=True)
         logits_tiles.log_probs_tiles_kernel[(cc,)](
             u, v_pad, m, s, n_tiles, out, r0, v, BLOCK_T=triton.next_power_of_2(n_tiles),

@@ -39,6 +39,15 @@ def merged_lse(m, s):
 
 
 @triton.jit
+def row_max(m, arg):
+    """(max, argmax) of a row from its lanes' maxima ``m`` and their first columns ``arg``: the
+    first column attaining the row max is the smallest lane-first index among the lanes whose
+    max equals it (torch.argmax's tie rule)."""
+    mx = tl.max(m, 0)
+    return mx, tl.min(tl.where(m == mx, arg, 2147483647), 0)
+
+
+@triton.jit
 def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                     c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
                     WITH_WS: tl.constexpr):
@@ -46,10 +55,8 @@ def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_p
     s = sum exp(z - m), the first column of m, a weighted sum) and writes the row's statistics
     and loss (``zt``: its target's finished logit, 0 when the target is not a column here);
     returns its lse."""
-    mx, log_s = merged_lse(m, s)
-    # first column attaining the row max: the smallest lane-first index among the lanes
-    # whose max equals it (torch.argmax's tie rule)
-    am = tl.min(tl.where(m == mx, arg, 2147483647), 0)
+    mx, am = row_max(m, arg)
+    log_s = merged_lse(m, s)[1]
     lse = mx + log_s
     has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
     nll = _nll(mx, log_s, lse, zt, has_t)
