@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of the seventh to seventeenth sessions. STEPS picks among:
+# Device calls of the seventh to eighteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
@@ -24,6 +24,9 @@
 #                   tools/probe_db_parts.py (seventeenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
+#   tiles_cfg       bench method fused_ce at TILES_SHAPES under each logits_tiles override in
+#                   TILES_CFGS (JSON objects separated by ';', {} the default), alternating
+#                   TILES_ROUNDS times (tools/bench_tiles_config.py, eighteenth)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -72,4 +75,9 @@ profile) PYTHONPATH=/tmp/site:. timeout 240 python3 tools/profile_kernels.py \
          2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
 sweeps) PYTHONPATH=/tmp/site:. timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
          2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
+tiles_cfg) for r in $(seq ${TILES_ROUNDS:-2}); do IFS=';'; for c in ${TILES_CFGS:-'{}';'{"split": 1}'}; do
+         unset IFS; echo "== $c"; timeout 120 python3 tools/bench_tiles_config.py "$c" --out /tmp/tc $B \
+         --shapes ${TILES_SHAPES:-bert8k,bert16k} --methods fused_ce 2>&1 \
+         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done; unset IFS; done \
+         | tee "$OUT/tiles_cfg.log" ;;
 esac; done
