@@ -11,7 +11,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels_interpret.py"
 
 from fused_ce import kernels, reference  # noqa: E402
-from fused_ce.kernels import config  # noqa: E402
+from fused_ce.kernels import config, row_chunks  # noqa: E402
 from fused_ce.reference import GradCoefs  # noqa: E402
 
 IGNORE = -100
@@ -505,6 +505,86 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("ignored,budget,arrived", [(1.0, 7 * 128 * 4, False),
+                                                    (0.9, 7 * 128 * 4, False),
+                                                    (0.5, 2**20, False), (0.5, 2**20, True)])
+def test_logits_tiles_first_chunk_before_count(ignored, budget, arrived, monkeypatch):
+    """Unless the host read of the valid count has arrived (``arrived``; on the CPU it always
+    has), the epilogue path launches its first chunk's logits GEMM before waiting for it, over
+    the first rows of the stable partition (chunked as if every row were valid; the kernel
+    skips the rows past the count it reads on the device): against fp64 with every row ignored
+    (zero gradients), with fewer valid rows than one chunk, and with half the rows valid in one
+    chunk."""
+    from fused_ce.kernels import logits_tiles
+    monkeypatch.setattr(kernels.CountRead, "arrived", lambda self: arrived)
+    order = []
+    real_logits, real_wait = logits_tiles.TileStats.logits, kernels.CountRead.wait
+    stats = []
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, *a: order.append("logits") or stats.append(self)
+                        or real_logits(self, *a))
+    monkeypatch.setattr(kernels.CountRead, "wait",
+                        lambda self, *a, **k: order.append("wait") or real_wait(self, *a, **k))
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    g = _gen()
+    n, h, v = 60, 52, 101
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=ignored, out_of_shard=False, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    n_valid = int((t != IGNORE).sum())
+    if arrived:
+        assert order[:2] == ["wait", "logits"]
+    else:
+        assert order[:2] == ["logits", "wait"]
+        # the GEMM computed no row past the valid count (the workspace is NaN-filled)
+        assert stats[0].m[n_valid:].isnan().all() and not stats[0].m[:n_valid].isnan().any()
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
+    if ignored < 1.0:
+        _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
+    else:
+        assert all(not g.any() for g in (ours.dx, ours.dw, ours.db))
+
+
+def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
+    """By default the path is chosen by the valid count: when the first chunk's logits were
+    launched (all N rows would take the epilogue path) but fewer than min_rows turn out valid,
+    that work is dropped and cuBLAS-style fp32 logits (finish_rows_kernel) serve the call."""
+    from fused_ce.kernels import logits_tiles
+    cfg = {**config.INTERPRETER["logits_tiles"], "use": True, "min_rows": 20}
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles", cfg)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(kernels.CountRead, "arrived", lambda self: False)  # as on a GPU
+    used = {"tiles": 0, "rows": 0}
+    real_logits, real_rows = logits_tiles.TileStats.logits, row_chunks.finish_rows_kernel
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, *a: used.update(tiles=used["tiles"] + 1)
+                        or real_logits(self, *a))
+
+    class Rows:
+        def __getitem__(self, grid):
+            used["rows"] += 1
+            return real_rows[grid]
+    monkeypatch.setattr(row_chunks, "finish_rows_kernel", Rows())
+    g = _gen()
+    n, h, v = 40, 48, 71
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.0, out_of_shard=False, g=g)
+    t[15:] = IGNORE  # 15 valid rows < min_rows
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert used == {"tiles": 1, "rows": 1}
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
+    _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
 
 
 def test_logits_tiles_chosen_by_valid_rows(monkeypatch):

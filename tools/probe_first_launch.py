@@ -82,6 +82,7 @@ def launch_parts():
     m, s_, ws = (torch.empty(c, n_t, device="cuda") for _ in range(3))
     a = torch.empty(c, n_t, device="cuda", dtype=torch.int32)
     b = torch.zeros(v, device="cuda")
+    count = torch.full((1,), c, device="cuda", dtype=torch.int32)
     w_desc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
 
     def timed(fn, n=200):
@@ -99,14 +100,14 @@ def launch_parts():
     kw = dict(HAS_BIAS=True, HAS_CW=False, WITH_WS=False)
 
     def full():
-        logits_tiles.launch(cfg, x, w_desc, e, b, b, v, m, s_, a, ws, n_t, **kw)
+        logits_tiles.launch(cfg, x, w_desc, e, b, b, count, 0, v, m, s_, a, ws, n_t, **kw)
     full()
     torch.cuda.synchronize()
     fn = logits_tiles.logits_tiles_kernel
     x_d = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]])
     e_d = TensorDescriptor.from_tensor(e, [cfg["BM"], cfg["BN"] // cfg["split"]])
     progs = 132
-    args = (x_d, w_desc, e_d, b, b, c, v, h, m, s_, a, ws, n_t, progs)
+    args = (x_d, w_desc, e_d, b, b, count, 0, c, v, h, m, s_, a, ws, n_t, progs)
     kwargs = dict(E_DTYPE=triton.language.bfloat16, UPCAST=False, BM=cfg["BM"], BN=cfg["BN"],
                   BK=cfg["BK"], SPLIT=cfg["split"], FLATTEN=cfg["flatten"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **kw)

@@ -32,8 +32,8 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 # the interpreter); integer pointers; the rest point to fp32 and the scalars are int32 unless
 # named here
 DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr", "u_ptr", "out_ptr"}
-INT_PTRS = {"target_ptr": "*i64", "row_idx_ptr": "*i32", "n_valid_ptr": "*i32", "a_ptr": "*i32",
-            "am_ptr": "*i32"}
+INT_PTRS = {"target_ptr": "*i64", "row_idx_ptr": "*i32", "n_valid_ptr": "*i32", "count_ptr": "*i32",
+            "a_ptr": "*i32", "am_ptr": "*i32"}
 FP32_SCALARS = {"softcap"}
 
 

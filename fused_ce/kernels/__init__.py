@@ -163,7 +163,7 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
     read = _count_read(p, scan, scale)
     return row_chunks.forward_with_grads(
         p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,
-        need_dw, need_db, lse_in=lse_in)
+        need_dw, need_db, lse_in=lse_in, read_arrived=read.arrived)
 
 
 def _count_read(p: Problem, scan: Optional["TargetScan"], scale: Optional[Tensor] = None):
@@ -190,6 +190,10 @@ class CountRead:
             self._event.record()
         else:
             self._host = vals
+
+    def arrived(self) -> bool:
+        """Whether ``wait`` would return at once (asked without waiting)."""
+        return self._event is None or self._event.query()
 
     def wait(self, p: Problem, *, check_targets: bool) -> float:
         """Sets ``p.n_valid_host``, returns the scale (1 without one) and, with

@@ -54,8 +54,8 @@ from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothin
 
 
 @triton.jit
-def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, M, V, H, m_ptr, s_ptr, a_ptr,
-                        ws_ptr, n_tiles_v, n_progs,
+def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0, M, V, H, m_ptr,
+                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs,
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -65,7 +65,12 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, M, V, H, m_ptr
     over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
     BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
     (the grid) take the (BM, BN) output tiles in turn. With LOG_PROBS (log_softmax: rows in
-    order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored."""
+    order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored. Otherwise
+    the rows past the valid count (``count_ptr``, on the device; the chunk's first row is the
+    compacted position c0) are not computed: a chunk launched before the host has read the
+    count covers the first rows of the stable partition, the valid ones first."""
+    if not LOG_PROBS:
+        M = tl.minimum(M, tl.maximum(tl.load(count_ptr) - c0, 0))
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(V, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, n_progs, flatten=FLATTEN):
@@ -327,8 +332,8 @@ def tile_width(cfg: dict) -> int:
     return cfg["BN"] // cfg["split"]
 
 
-def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, V: int, m, s, a, ws,
-           n_tiles: int, **flags) -> None:
+def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count, c0: int, V: int,
+           m, s, a, ws, n_tiles: int, **flags) -> None:
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
     multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)]; ``flags``: HAS_BIAS, HAS_CW,
     WITH_WS and LOG_PROBS, the rest from the tile configuration ``cfg``."""
@@ -338,7 +343,7 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, V: in
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
-        x_desc, w_desc, e_desc, bias, cw, cc, V, h, m, s, a, ws, n_tiles, progs, E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
+        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs, E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
         SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags)
@@ -361,8 +366,9 @@ class TileStats:
     def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
                with_ws: bool) -> None:
         """E over e[:len(xc), :V] and the tile statistics of the chunk's rows."""
-        launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.V, self.m, self.s, self.a, self.ws,
-               self.n_tiles, HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
+        launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.n_valid, c0, p.V, self.m, self.s,
+               self.a, self.ws, self.n_tiles, HAS_BIAS=p.bias is not None,
+               HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
 
     def finish(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias, cf, out,
                with_ws: bool, need_d: bool, db_parts=None) -> int:

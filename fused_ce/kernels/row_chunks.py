@@ -31,7 +31,9 @@ Where logits_tiles.applicable (bf16, no softcap; by default from 4096 valid rows
 for wide heads), the first two steps are instead a Triton logits GEMM whose epilogue writes
 E = exp(z - tile max) and the tiles' statistics, and a per-row kernel that writes the
 statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and half the
-workspace per row).
+workspace per row). Where all N rows would take that path, its first chunk's GEMM is launched
+before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
+host waits and sets up; it is dropped if the count rules the path out.
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
@@ -40,7 +42,8 @@ MiB up to 8k tokens, a quarter of the valid rows' fp32 logits beyond), the fp32 
 V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
 gradient scale and the count of out-of-range targets; the read starts asynchronously and is
-waited for after the launches that do not need it), so this path is not used while a CUDA
+waited for after the launches that do not need it, the epilogue path's first GEMM among
+them), so this path is not used while a CUDA
 graph is being captured; the vocabulary sweep (gradients.py) serves that case.
 """
 
@@ -333,12 +336,38 @@ def _db_rows(rows: int) -> int:
     return triton.cdiv(rows, DB_ROWS_ALIGN) * DB_ROWS_ALIGN
 
 
+class _FirstTileChunk:
+    """The epilogue path's workspace for chunks of ``c`` rows, and its first chunk's logits
+    GEMM, launched before the host read of the valid count: over the first min(c, N) rows of
+    the stable partition ``p.row_idx`` (the valid rows first), of which the kernel computes
+    those below the count it reads on the device. It runs while the host waits for the count
+    and then sets up the rest (about 0.3 ms at the BERT shapes, NOTES.md #52)."""
+
+    def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
+        rows = min(c, p.N)
+        self.d, self.ts, self.db_parts = _tile_workspace(p, rows, with_ws, need_db)
+        self.ts.logits(p, p.x.index_select(0, p.row_idx[:rows]), self.d, 0, bias, with_ws)
+
+
+def _tile_workspace(p: Problem, rows: int, with_ws: bool, need_db: bool):
+    """The epilogue path's per-chunk buffers for chunks of up to ``rows`` rows: E (then D over
+    it) in the input dtype, the tile statistics and, with a bias, db's partial column sums
+    (written with D)."""
+    v_pad = padded_vocab(p.V)
+    d = torch.empty((rows, v_pad), dtype=p.x.dtype, device=p.device)
+    ts = logits_tiles.TileStats(p, rows, with_ws)
+    db_parts = (torch.empty((logits_tiles.db_part_rows(ts.cfg, rows), v_pad),
+                            dtype=torch.float32, device=p.device) if need_db else None)
+    return d, ts, db_parts
+
+
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
-                  out: _Outputs, tiles: bool):
+                  out: _Outputs, tiles: bool, first):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
-    freed on return). Nothing is
-    launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
-    waits for it since the host read."""
+    freed on return), with the epilogue logits where ``tiles``; ``first``: a _FirstTileChunk
+    whose logits GEMM is the first chunk's, or None. Otherwise nothing is launched before the
+    first chunk's logits GEMM but the gather of x's valid rows: the GPU waits for it since the
+    host read."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
@@ -346,14 +375,12 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     split = split_weight(p.weight)
     rows = p.row_idx[:nv]
     xv = p.x if nv == n else p.x.index_select(0, rows)
-    db_parts = None
-    if tiles:  # E, then D over it, in the input dtype (logits_tiles.py)
-        d = torch.empty((min(c, nv), v_pad), dtype=p.x.dtype, device=dev)
-        ts = logits_tiles.TileStats(p, d.shape[0], with_ws)
-        if out.db32 is not None:  # db from the partial column sums written with D
-            db_parts = torch.empty((logits_tiles.db_part_rows(ts.cfg, min(c, nv)), v_pad),
-                                   dtype=torch.float32, device=dev)
+    if first is not None:
+        d, ts, db_parts = first.d, first.ts, first.db_parts
+    elif tiles:
+        d, ts, db_parts = _tile_workspace(p, min(c, nv), with_ws, out.db32 is not None)
     else:
+        db_parts = None
         # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
         # padded W, or never written; the kernel reads them, aligned, and masks them out; rows
         # rounded up for the db product: DB_ROWS_ALIGN)
@@ -368,11 +395,11 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     for c0 in range(0, nv, c):
         cc = min(c, nv - c0)
         xc = xv[c0:c0 + cc]
-        if tiles:
-            ts.logits(p, xc, d, c0, bp, with_ws)
-        else:
+        if not tiles:
             for a, b in parts:
                 gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
+        elif c0 > 0 or first is None:  # (else launched by _FirstTileChunk)
+            ts.logits(p, xc, d, c0, bp, with_ws)
         if c0 == 0:  # launched behind the first GEMM
             if nv < n:
                 out.zero_ignored(p)
@@ -414,13 +441,14 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
 
 
 def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
-                       need_dw: bool, need_db: bool, lse_in=None):
+                       need_dw: bool, need_db: bool, lse_in=None, read_arrived=lambda: False):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
     sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row
     coefficients (gradients.row_coefs); ``read``: waits for the started host read of the valid
     count (kernels.CountRead), sets ``p.n_valid_host`` and returns D's scale; called once the
     launches that do not depend on it are queued; ``scale``: the power of two dz is stored with
-    (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1.
+    (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1;
+    ``read_arrived``: whether that read has already arrived (then nothing is speculated).
     With ``lse_in`` the statistics are not computed (None is returned for them) and the
     gradients use the given lse.
 
@@ -431,11 +459,23 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     out = _Outputs(p, lse_in, need_dx)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
     ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
+    # Where the epilogue path would serve all N rows, its first logits GEMM is launched before
+    # the host read of the valid count, chunked as if every row were valid; if the count then
+    # rules the path out (fewer than min_rows valid: MLM), that GEMM's work is dropped. Not
+    # where the count is on the host already (fused_ce.prepare_targets, made early).
+    first = None
+    if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
+        _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4)
+        first = _FirstTileChunk(p, c, with_ws, need_db, bp)
     d_scale = read()
     nv = p.n_valid_host
     tiles = logits_tiles.applicable(p, lse_in, nv)
-    n_chunks, c = chunking(nv, logits_tiles.bytes_per_row(p, v_pad) if tiles else v_pad * 4,
-                           v * h * 4)
+    if first is not None and tiles:
+        n_chunks = triton.cdiv(nv, c)
+    else:
+        first = None
+        n_chunks, c = chunking(nv, logits_tiles.bytes_per_row(p, v_pad) if tiles else v_pad * 4,
+                               v * h * 4)
     if need_dw:
         # written, not added to, by the first chunk: no zero fill (2 GiB at Llama-3's head);
         # padded rows when several chunks run the GEMMs on the padded weight
@@ -445,7 +485,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
-                      lse_in is not None, bp, ones, out, tiles)
+                      lse_in is not None, bp, ones, out, tiles, first)
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
         for g in (out.dw32, out.db32):
@@ -565,8 +605,8 @@ def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Ten
     for r0 in range(0, n, c):
         cc = min(c, n - r0)
         # (the targets, the row list and the other statistics are not read with LOG_PROBS)
-        logits_tiles.launch(cfg, x[r0:r0 + cc], w_desc, u, bias_arg, m, v, m, s, m, m, n_tiles,
-                            HAS_BIAS=bias is not None, HAS_CW=False,
+        logits_tiles.launch(cfg, x[r0:r0 + cc], w_desc, u, bias_arg, m, m, 0, v, m, s, m, m,
+                            n_tiles, HAS_BIAS=bias is not None, HAS_CW=False,
                             WITH_WS=False, LOG_PROBS=True)
         logits_tiles.log_probs_tiles_kernel[(cc,)](
             u, v_pad, m, s, n_tiles, out, r0, v, BLOCK_T=triton.next_power_of_2(n_tiles),
