@@ -253,11 +253,11 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row
                    n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, db_ptr,
                    V, VPAD, HAS_CW: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
                    BN: tl.constexpr):
-    """D over E (finish_tiles_kernel's formula, from the lse and z_t it wrote) for the chunk rows
-    [i ROWS, (i + 1) ROWS) and the columns of TILES vocabulary tiles j TILES + [0, TILES), where
-    (i, j) is the program; the column sums of those rows' D, as stored (rounded), go to row i of
-    ``db_ptr`` (VPAD wide): db's partial sums, which row_chunks.py adds up (a 16 MiB read at
-    bert8k). db then costs no second read of D."""
+    """D over E (finish_tiles_kernel's formula, from the lse and z_t it wrote) for the chunk
+    rows [i ROWS, (i + 1) ROWS) and the columns of TILES vocabulary tiles j TILES + [0, TILES),
+    where (i, j) is the program; the column sums of those rows' D, as stored (rounded), go to
+    row i of ``db_ptr`` (VPAD wide): db's partial sums, which row_chunks.py adds up (a 16 MiB
+    read at bert8k). db then costs no second read of D."""
     i = tl.program_id(0)
     tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
     cols = tiles[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -343,7 +343,8 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
-        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs, E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
+        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
+        E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
         SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags)
@@ -373,9 +374,9 @@ class TileStats:
     def finish(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias, cf, out,
                with_ws: bool, need_d: bool, db_parts=None) -> int:
         """The statistics and loss of the chunk's rows ``xc`` (``bias`` as given to ``logits``),
-        and D over E. With ``db_parts``
-        (fp32, ``db_part_rows(cc)`` x E's width) D comes from d_tiles_kernel, which also writes
-        db's partial sums there; returns how many rows of them."""
+        and D over E. With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from
+        d_tiles_kernel, which also writes db's partial sums there; returns how many rows of
+        them."""
         cfg = self.cfg
         cc = xc.shape[0]
         finish_tiles_kernel[(cc,)](
