@@ -2,8 +2,8 @@
 # Device calls of the seventh to eighteenth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
-#                   order AB_ORDER (old new old new) in one call (ab_old/ is the session start
-#                   tree: mkdir ab_old && git archive REV | tar -x -C ab_old)
+#                   order AB_ORDER (old new old new) in one call (new is this tree, any other
+#                   name NAME the tree in ab_NAME/: mkdir ab_old && git archive REV | tar -x -C ab_old)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers
@@ -36,7 +36,7 @@ B="--rep-ms 200 --warmup-ms 50"
 for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
-ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v = old ] && d=ab_old
+ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
       echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
