@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels_interpret.py"
 
@@ -627,6 +628,32 @@ def test_row_chunk_sizes():
     for rows in (1, 127, 128, 1000, 2**20):
         n, c = chunking(rows, bert, 30522 * 1024 * 4)
         assert n * c >= rows and (n == 1 or c * bert <= config.ROW_CHUNK_BYTES_MAX)
+
+
+def test_row_chunk_sizes_up_to_rounded_grads():
+    """Where the backward's 16-bit gradients (dW and dX, rounded from the fp32 ones while those
+    are held: the peak) exceed ROW_CHUNK_BYTES_MAX, a chunk may take as much: the epilogue
+    path's rows (bf16 E of V padded to 64, 16 bytes per 128-column tile) at Llama-3's and
+    Gemma-2's heads in 4 chunks, not 5; BERT's head and a small gradient keep the 1 GiB cap."""
+    from fused_ce.kernels.row_chunks import chunking, padded_vocab
+
+    def tiles_row(v):
+        return padded_vocab(v) * 2 + triton.cdiv(v, 128) * 16
+
+    def grads16(n, h, v):
+        return 2 * h * (n + v)
+
+    for n, h, v, without, with_grads in ((16384, 4096, 128256, (5, 3328), (4, 4096)),
+                                         (8192, 2304, 256000, (5, 1664), (4, 2048))):
+        assert chunking(n, tiles_row(v), v * h * 4) == without
+        assert chunking(n, tiles_row(v), v * h * 4, grads16(n, h, v)) == with_grads
+        n_chunks, c = chunking(n, tiles_row(v), v * h * 4, grads16(n, h, v))
+        assert c * tiles_row(v) <= grads16(n, h, v)
+    bert = tiles_row(30522)
+    assert chunking(16384, bert, 30522 * 1024 * 4, grads16(16384, 1024, 30522)) == (4, 4096)
+    for rows in (2**16, 2**20):  # Z at most the 1 GiB cap when the gradients are smaller
+        n_chunks, c = chunking(rows, bert, 30522 * 1024 * 4, 2**29)
+        assert c * bert <= config.ROW_CHUNK_BYTES_MAX
 
 
 def test_row_chunk_log_softmax_logic(monkeypatch):

@@ -222,13 +222,16 @@ def applicable(p: Problem, low_memory: bool) -> bool:
             and cublas_fp32_out_available(p.device))
 
 
-def chunking(rows: int, bytes_per_row: int, dw32_bytes: int) -> tuple[int, int]:
+def chunking(rows: int, bytes_per_row: int, dw32_bytes: int,
+             grads16_bytes: int = 0) -> tuple[int, int]:
     """(number of chunks, rows per chunk) of ``rows`` rows of Z; ``dw32_bytes``: the fp32 dW
-    accumulator's size with gradients, else 0. Z may take ``row_chunk_budget`` bytes; all rows
-    go in one chunk when they fit in twice that (then dW is one product, not accumulated).
+    accumulator's size with gradients, else 0; ``grads16_bytes``: the size of the gradients
+    the backward will return in the input dtype. Z may take ``row_chunk_budget`` bytes; all
+    rows go in one chunk when they fit in twice that (then dW is one product, not accumulated).
     Chunks are balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows
     that many."""
-    budget = row_chunk_budget(dw32_bytes, rows if dw32_bytes else 0, bytes_per_row)
+    budget = row_chunk_budget(dw32_bytes, rows if dw32_bytes else 0, bytes_per_row,
+                              grads16_bytes)
     if rows * bytes_per_row <= 2 * budget:
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
@@ -244,19 +247,25 @@ def _balanced_chunk(rows: int, c_max: int, align: int) -> int:
                * align)
 
 
-def row_chunk_budget(dw32_bytes: int, rows: int = 0, bytes_per_row: int = 0) -> int:
+def row_chunk_budget(dw32_bytes: int, rows: int = 0, bytes_per_row: int = 0,
+                     grads16_bytes: int = 0) -> int:
     """Bytes of Z: the largest of ROW_CHUNK_BYTES, half the fp32 dW accumulator and the Z of
     1 / ROW_CHUNKS_FEW of ``rows`` (rows of ``bytes_per_row``; given with gradients), at most
-    ROW_CHUNK_BYTES_MAX. Each chunk reads and writes that accumulator once (8 V H bytes) and
-    runs its own db product: with Z at half the accumulator a chunk holds enough rows (>= ~1000
-    at H = 4096) for that traffic to stay a small part of the chunk's GEMM time, and with at
-    most ~ROW_CHUNKS_FEW chunks their count stays small where V H is (H200: Llama-3 head 95 ms
-    with 512 MiB, 88 ms with 1 GiB; BERT head on 16k tokens 7.07-7.11 ms in 8 chunks of 2048
-    rows, 6.66-6.70 ms in 4 of 4096; NOTES.md)."""
+    the larger of ROW_CHUNK_BYTES_MAX and ``grads16_bytes``. Each chunk reads and writes that
+    accumulator once (8 V H bytes) and runs its own db product: with Z at half the accumulator
+    a chunk holds enough rows (>= ~1000 at H = 4096) for that traffic to stay a small part of
+    the chunk's GEMM time, and with at most ~ROW_CHUNKS_FEW chunks their count stays small
+    where V H is (H200: Llama-3 head 95 ms with 512 MiB, 88 ms with 1 GiB; BERT head on 16k
+    tokens 7.07-7.11 ms in 8 chunks of 2048 rows, 6.66-6.70 ms in 4 of 4096; NOTES.md).
+
+    The cap grows to ``grads16_bytes`` because the peak is the backward's anyway: it holds the
+    fp32 gradients and their rounded copies at once (scale.py), and Z is freed before it. So
+    a Z of that size costs no peak memory (H100, NOTES.md #57: Llama-3's and Gemma-2's heads
+    in 4 chunks instead of 5, 3 % faster at the same peak)."""
     few = triton.cdiv(rows, config.ROW_CHUNKS_FEW)
     if few >= 128:
         few = triton.cdiv(few, 128) * 128
-    return min(config.ROW_CHUNK_BYTES_MAX,
+    return min(max(config.ROW_CHUNK_BYTES_MAX, grads16_bytes),
                max(config.ROW_CHUNK_BYTES, dw32_bytes // 2, few * bytes_per_row))
 
 
@@ -440,6 +449,11 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                      accumulate=c0 > 0)
 
 
+def _copy_bytes(t: torch.Tensor) -> int:
+    """Bytes per element of the backward's rounded copy of a gradient for ``t``."""
+    return 0 if t.dtype == torch.float32 else t.element_size()
+
+
 def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
                        need_dw: bool, need_db: bool, lse_in=None, read_arrived=lambda: False):
     """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
@@ -463,9 +477,12 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     # the host read of the valid count, chunked as if every row were valid; if the count then
     # rules the path out (fewer than min_rows valid: MLM), that GEMM's work is dropped. Not
     # where the count is on the host already (fused_ce.prepare_targets, made early).
+    # the backward's rounded copies of dW and dX (none for fp32: scaled in place): Z may be
+    # as large (row_chunk_budget)
+    grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
     first = None
     if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
-        _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4)
+        _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
         first = _FirstTileChunk(p, c, with_ws, need_db, bp)
     d_scale = read()
     nv = p.n_valid_host
@@ -475,7 +492,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     else:
         first = None
         n_chunks, c = chunking(nv, logits_tiles.bytes_per_row(p, v_pad) if tiles else v_pad * 4,
-                               v * h * 4)
+                               v * h * 4, grads16)
     if need_dw:
         # written, not added to, by the first chunk: no zero fill (2 GiB at Llama-3's head);
         # padded rows when several chunks run the GEMMs on the padded weight
