@@ -2,8 +2,9 @@
 
     python tools/bench_tiles_config.py '{"split": 1}' --shapes bert8k --methods fused_ce
 
-The first argument is a JSON object of ``config.CONFIG[...]["logits_tiles"]`` keys; the rest go
-to bench.py. For A/B runs of a tile variant against the default in one device call."""
+The first argument is a JSON object of ``config.CONFIG[...]["logits_tiles"]`` keys, or of
+``config`` module names prefixed "config." ('{"config.ROW_CHUNKS_FEW": 2}'); the rest go to
+bench.py. For A/B runs of a variant against the default in one device call."""
 import json
 import os
 import runpy
@@ -14,6 +15,10 @@ sys.path.insert(0, ROOT)
 from fused_ce.kernels import config  # noqa: E402
 
 overrides = json.loads(sys.argv[1])
+for key in [k for k in overrides if k.startswith("config.")]:
+    if not hasattr(config, key[7:]):
+        raise SystemExit(f"unknown config name: {key}")
+    setattr(config, key[7:], overrides.pop(key))
 for name in ("gpu", "gpu_wide"):
     unknown = set(overrides) - set(config.CONFIG[name]["logits_tiles"])
     if unknown:
