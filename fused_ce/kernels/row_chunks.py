@@ -473,13 +473,13 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     out = _Outputs(p, lse_in, need_dx)
     bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
     ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
+    # the backward's rounded copies of dW and dX (none for fp32: scaled in place): Z may be
+    # as large (row_chunk_budget)
+    grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
     # Where the epilogue path would serve all N rows, its first logits GEMM is launched before
     # the host read of the valid count, chunked as if every row were valid; if the count then
     # rules the path out (fewer than min_rows valid: MLM), that GEMM's work is dropped. Not
     # where the count is on the host already (fused_ce.prepare_targets, made early).
-    # the backward's rounded copies of dW and dX (none for fp32: scaled in place): Z may be
-    # as large (row_chunk_budget)
-    grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
     first = None
     if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
