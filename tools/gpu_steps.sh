@@ -24,6 +24,8 @@
 #                   tools/probe_db_parts.py (seventeenth)
 #   epilogue        the row chunks' logits by the epilogue GEMM vs cuBLAS fp32 Z, bench methods
 #                   fused_ce_epilogue / fused_ce_fp32z (twelfth)
+#   overlap         a chunk's statistics + D pass beside the next chunk's logits GEMM on a second
+#                   stream, tools/probe_overlap.py at OVERLAP_SHAPES (nineteenth)
 #   tiles_cfg       bench method fused_ce at TILES_SHAPES under each logits_tiles override in
 #                   TILES_CFGS (JSON objects separated by ';', {} the default), alternating
 #                   TILES_ROUNDS times (tools/bench_tiles_config.py, eighteenth)
@@ -75,6 +77,8 @@ profile) PYTHONPATH=/tmp/site:. timeout 240 python3 tools/profile_kernels.py \
          2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
 sweeps) PYTHONPATH=/tmp/site:. timeout 300 python3 tools/probe_sweeps.py --shapes ${SWEEP_SHAPES:-bert8k,mlm,llama4k,gemma4k} \
          2>&1 | grep -v Warn | tee "$OUT/sweeps.log" ;;
+overlap) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_overlap.py --shapes ${OVERLAP_SHAPES:-bert16k,llama3} \
+         2>&1 | grep -v Warn | tee "$OUT/overlap.log" ;;
 tiles_cfg) for r in $(seq ${TILES_ROUNDS:-2}); do IFS=';'; for c in ${TILES_CFGS:-'{}';'{"split": 1}'}; do
          unset IFS; echo "== $c"; timeout 120 python3 tools/bench_tiles_config.py "$c" --out /tmp/tc $B \
          --shapes ${TILES_SHAPES:-bert8k,bert16k} --methods fused_ce 2>&1 \
