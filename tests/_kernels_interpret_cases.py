@@ -554,6 +554,62 @@ def test_logits_tiles_first_chunk_before_count(ignored, budget, arrived, monkeyp
         assert all(not g.any() for g in (ours.dx, ours.dw, ours.db))
 
 
+@pytest.mark.parametrize("arrived", [False, True])
+def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
+    """With the tile configuration's "overlap" (row_chunks._GemmAhead), chunk i + 1's logits
+    GEMM is launched (on a second stream on a GPU) before chunk i's statistics and D, into the
+    other of two buffers, which alternate: the results are bitwise those without it (the same
+    kernels on the same rows; dW still accumulated in chunk order) and match fp64; with and
+    without the first chunk launched before the count read."""
+    from fused_ce.kernels import logits_tiles
+    monkeypatch.setattr(kernels.CountRead, "arrived", lambda self: arrived)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    events = []
+    real_logits, real_finish = logits_tiles.TileStats.logits, logits_tiles.TileStats.finish
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, p, xc, e, c0, *a: events.append(("logits", c0, self))
+                        or real_logits(self, p, xc, e, c0, *a))
+    monkeypatch.setattr(logits_tiles.TileStats, "finish",
+                        lambda self, p, xc, e, c0, *a: events.append(("finish", c0, self))
+                        or real_finish(self, p, xc, e, c0, *a))
+    g = _gen()
+    n, h, v = 45, 52, 101
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.2, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    results = {}
+    for overlap in (False, True):
+        monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                            {**config.INTERPRETER["logits_tiles"], "overlap": overlap})
+        events.clear()
+        results[overlap] = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
+    ours = results[True]
+    starts = sorted({c0 for kind, c0, _ in events})
+    assert len(starts) >= 3, "several chunks expected"
+    for i, c0 in enumerate(starts):
+        logits = [j for j, (kind, at, _) in enumerate(events) if kind == "logits" and at == c0]
+        finish = [j for j, (kind, at, _) in enumerate(events) if kind == "finish" and at == c0]
+        assert len(logits) == len(finish) == 1
+        if i + 1 < len(starts):  # the next chunk's GEMM comes before this chunk's finish
+            nxt = [j for j, (kind, at, _) in enumerate(events)
+                   if kind == "logits" and at == starts[i + 1]]
+            assert nxt[0] < finish[0]
+        assert events[logits[0]][2] is events[finish[0]][2]  # the same buffer
+    owners = [ts for kind, _, ts in events if kind == "finish"]
+    assert len({id(o) for o in owners}) == 2
+    assert all(a is not b for a, b in zip(owners, owners[1:]))  # alternating
+    for name, got in ours._asdict().items():
+        if got is not None:
+            assert torch.equal(got, getattr(results[False], name)), name
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
+    _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
+
+
 def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
     """By default the path is chosen by the valid count: when the first chunk's logits were
     launched (all N rows would take the epilogue path) but fewer than min_rows turn out valid,

@@ -142,6 +142,26 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
     assert (ours.dx[~valid] == 0).all()
 
 
+def test_gemm_ahead_on_a_second_stream_identical(monkeypatch):
+    """The epilogue path with the next chunk's logits GEMM on a second stream
+    (row_chunks._GemmAhead: two buffers, events between the streams) gives bitwise the results
+    of the one-stream loop, every time (a missing wait would let a GEMM overwrite a buffer that
+    a chunk's D or products still read), also with the D pass at 4 warps (beside the GEMM)."""
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)  # 4 chunks of <= 1280 rows
+    n, h, v = 5000, 1024, 10007
+    x, w, b, t = _inputs(n, h, v, torch.bfloat16, ignored=0.1)
+    coefs = _mean_coefs(t, n)
+    kw = dict(with_weighted_sum=True, coefs=coefs, need_dx=True, need_dw=True, need_db=True)
+    tiles = config.GPU["logits_tiles"]
+    plain = kernels.forward(x, w, b, t, -100, None, None, **kw)
+    for warps in (tiles["db_warps"], 4):
+        monkeypatch.setitem(config.GPU, "logits_tiles", {**tiles, "overlap": True,
+                                                         "db_warps": warps})
+        for _ in range(3):
+            _assert_identical(kernels.forward(x, w, b, t, -100, None, None, **kw), plain)
+
+
 def test_backward_matches_forward_grads():
     x, w, b, t = _inputs(1500, 768, 5003, torch.bfloat16)
     coefs = _mean_coefs(t, 1500)

@@ -33,7 +33,9 @@ E = exp(z - tile max) and the tiles' statistics, and a per-row kernel that write
 statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and half the
 workspace per row). Where all N rows would take that path, its first chunk's GEMM is launched
 before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
-host waits and sets up; it is dropped if the count rules the path out.
+host waits and sets up; it is dropped if the count rules the path out. With the tile
+configuration's "overlap" (off by default until measured), each next chunk's GEMM runs on a
+second stream beside a chunk's memory-bound statistics and D pass (_GemmAhead).
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
@@ -370,6 +372,77 @@ def _tile_workspace(p: Problem, rows: int, with_ws: bool, need_db: bool):
     return d, ts, db_parts
 
 
+class _NoStream:
+    """Stands for a CUDA stream and its events where there are none (the interpreter tests):
+    the work runs in program order, so every wait is already met."""
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _GemmAhead:
+    """With several chunks on the epilogue path and the tile configuration's "overlap": chunk
+    i + 1's logits GEMM runs on a second stream, into a second E buffer and tile statistics,
+    while chunk i's statistics and D pass (memory-bound) runs on the current stream, which
+    then runs chunk i's products. The GEMM of chunk i + 1 waits for the products of chunk
+    i - 1, the last reader of its buffer; the statistics of chunk i wait for its GEMM. Costs
+    the second buffer (one chunk's E and statistics). The GEMM keeps one program per SM, so
+    the D pass runs beside it only where its program fits in what the GEMM leaves of an SM's
+    registers (its ``db_warps``; tools/probe_overlap.py)."""
+
+    def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, several: bool):
+        self.on = several and p.cfg["logits_tiles"]["overlap"]
+        if not self.on:
+            return
+        self.p, self.with_ws = p, with_ws
+        self.bufs = [workspace, _tile_workspace(p, rows, with_ws, False)[:2]]
+        if p.device.type == "cuda":
+            self.main = torch.cuda.current_stream(p.device)
+            self.side = torch.cuda.Stream(device=p.device)
+            self.on_side = lambda: torch.cuda.stream(self.side)
+        else:
+            self.main = self.side = _NoStream()
+            self.on_side = lambda: self.side
+        self.side.wait_stream(self.main)  # x's gathered rows, the count, the padded bias
+        self.freed = [None, None]  # per buffer: its last reader's products are done
+        self.ready = None  # the GEMM of the chunk about to be finished is done
+        self.i = 0
+
+    def chunk(self, c0: int, xv: torch.Tensor, c: int, nv: int, bias):
+        """Before chunk i (rows c0 of ``xv``) is finished: launches chunk i + 1's GEMM on the
+        side stream and makes the current stream wait for chunk i's; returns chunk i's (E
+        buffer, tile statistics)."""
+        i, nxt = self.i, c0 + c
+        if nxt < nv:
+            d, ts = self.bufs[(i + 1) % 2]
+            with self.on_side():
+                if self.freed[(i + 1) % 2] is not None:
+                    self.side.wait_event(self.freed[(i + 1) % 2])
+                ts.logits(self.p, xv[nxt:min(nxt + c, nv)], d, nxt, bias, self.with_ws)
+                ready = self.side.record_event()
+        if self.ready is not None:
+            self.main.wait_event(self.ready)
+        self.ready = ready if nxt < nv else None
+        return self.bufs[i % 2]
+
+    def release(self):
+        """After chunk i's products: its buffer may take chunk i + 2's GEMM."""
+        self.freed[self.i % 2] = self.main.record_event()
+        self.i += 1
+
+
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
                   out: _Outputs, tiles: bool, first):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
@@ -388,6 +461,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
         d, ts, db_parts = first.d, first.ts, first.db_parts
     elif tiles:
         d, ts, db_parts = _tile_workspace(p, min(c, nv), with_ws, out.db32 is not None)
+    if tiles:
+        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, several)
     else:
         db_parts = None
         # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
@@ -407,8 +482,12 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
         if not tiles:
             for a, b in parts:
                 gemm_f32(xc, w[a:b].t(), z[:cc, a:b])
-        elif c0 > 0 or first is None:  # (else launched by _FirstTileChunk)
-            ts.logits(p, xc, d, c0, bp, with_ws)
+        else:
+            # (the first chunk's GEMM may be _FirstTileChunk's; the others may come ahead)
+            if (c0 == 0 and first is None) or (c0 > 0 and not ahead.on):
+                ts.logits(p, xc, d, c0, bp, with_ws)
+            if ahead.on:
+                d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
             if nv < n:
                 out.zero_ignored(p)
@@ -447,6 +526,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             k = _db_rows(cc)
             gemm_f32(ones[:, :k], d[:k, :v_gemm], out.db32[:, :v_gemm], alpha=inv_scale,
                      accumulate=c0 > 0)
+        if tiles and ahead.on:
+            ahead.release()
 
 
 def _copy_bytes(t: torch.Tensor) -> int:
