@@ -1,4 +1,5 @@
-"""Forward+backward benchmark of fused_ce against its peers on the issue's shapes (CUDA only).
+"""Forward+backward benchmark of fused_ce against its peers on the issue's shapes (CUDA only),
+and the loss alone under torch.no_grad (the ``_eval`` shapes: evaluation).
 
     python benchmarks/bench.py --out results/            # every shape, every method
     python benchmarks/bench.py --shapes bert8k,mlm --methods fused_ce,floor --out r/
@@ -19,8 +20,10 @@ return_stats=True: lse, argmax and accuracy come from the same pass), eager (bf1
 F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
 cce (cut_cross_entropy.linear_cross_entropy, no bias), torch_lce (torch's chunked
 F.linear_cross_entropy, torch >= 2.13), kernels (fused_ce.kernels.forward with gradients called
-directly: the kernels' own time and memory, no autograd layer), floor (three cuBLAS GEMMs on the valid rows, V padded to
-a multiple of 128). Peers that are not importable are reported as such.
+directly: the kernels' own time and memory, no autograd layer), fused_ce_rowstats (``_eval``
+shapes: the statistics by row_stats.py instead of the epilogue GEMM of stats_pass.py), floor
+(three cuBLAS GEMMs on the valid rows, V padded to a multiple of 128; ``_eval``: the logits
+GEMM alone). Peers that are not importable are reported as such.
 """
 
 from __future__ import annotations
@@ -47,12 +50,18 @@ SHAPES = {
     "llama3": (16384, 4096, 128256, False, 1.0, "ce"),
     "gemma2": (8192, 2304, 256000, False, 1.0, "ce"),
     "logsoftmax": (8192, 1024, 30258, True, 1.0, "logsoftmax"),
+    # the loss alone under torch.no_grad (evaluation): forward only
+    "bert16k_eval": (16384, 1024, 30522, True, 1.0, "eval"),
+    "mlm_eval": (16384, 1024, 30522, True, 0.15, "eval"),
+    "llama3_eval": (16384, 4096, 128256, False, 1.0, "eval"),
 }
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
               "fused_ce_lowmem_triton", "kernels", "eager", "compile", "liger", "cce",
               "torch_lce", "floor"]
 LS_METHODS = ["fused_ce", "fused_ce_fp32z", "eager", "compile", "floor"]
+EVAL_METHODS = ["fused_ce", "fused_ce_rowstats", "eager", "compile", "liger", "cce", "floor"]
+METHODS = {"ce": CE_METHODS, "logsoftmax": LS_METHODS, "eval": EVAL_METHODS}
 MiB = 2**20
 
 
@@ -68,7 +77,7 @@ def make_inputs(shape, seed=0):
         t = torch.where(keep, t, torch.full_like(t, -100))
     for p in (x, w, b):
         if p is not None:
-            p.requires_grad_(kind == "ce")
+            p.requires_grad_(kind != "logsoftmax")  # (eval: a model's weights, no_grad)
     return x, w, b, t
 
 
@@ -106,6 +115,17 @@ def method_fn(name, kind, x, w, b, t):
                 config.ROW_CHUNKS = True
                 config.LIBRARY_PRODUCTS = True
         return run
+    if name == "fused_ce_rowstats":  # no gradients: the statistics by row_stats.py
+        from fused_ce.kernels import config
+        lce, _ = _fused_api()
+
+        def run_row_stats():
+            config.STATS_EPILOGUE = False
+            try:
+                return lce(x, w, t, linear_bias=b)
+            finally:
+                config.STATS_EPILOGUE = None
+        return run_row_stats
     if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
         # the row-chunk path with its logits by cuBLAS (fp32 Z) and finish_rows_kernel, or by
         # the Triton GEMM with the softmax epilogue (kernels/logits_tiles.py)
@@ -172,7 +192,8 @@ def method_fn(name, kind, x, w, b, t):
 
 def floor_fn(kind, x, w, b, t):
     """Three cuBLAS GEMMs over the valid rows with V padded to 128 (logits, dX, dW); for
-    log-softmax, the logits GEMM writing the full output."""
+    log-softmax, the logits GEMM writing the full output; for eval, the logits GEMM over the
+    valid rows."""
     v = w.shape[0]
     vp = (v + 127) // 128 * 128
     wp = torch.zeros(vp, w.shape[1], dtype=w.dtype, device=w.device)
@@ -180,7 +201,7 @@ def floor_fn(kind, x, w, b, t):
     rows = (t != -100).nonzero().squeeze(1)
     xv = x.detach()[rows].contiguous()
     out = torch.empty(xv.shape[0], vp, dtype=x.dtype, device=x.device)
-    if kind == "logsoftmax":
+    if kind != "ce":  # (eval: the logits of the valid rows)
         return lambda: torch.mm(xv, wp.t(), out=out)
 
     def run():
@@ -192,6 +213,12 @@ def floor_fn(kind, x, w, b, t):
 
 
 def forward_backward(name, kind, fn, params):
+    if kind == "eval":
+        def no_grad_step():
+            with torch.no_grad():
+                return fn()
+        return no_grad_step
+
     def step():
         for p in params:
             p.grad = None
@@ -210,6 +237,9 @@ def reference_fp32(kind, x, w, b, t):
     if kind == "logsoftmax":
         with torch.no_grad():
             return {"out": F.log_softmax(F.linear(xf, wf, bf), -1)}
+    if kind == "eval":
+        with torch.no_grad():
+            return {"loss": F.cross_entropy(F.linear(xf, wf, bf), t)}
     loss = F.cross_entropy(F.linear(xf, wf, bf), t)
     loss.backward()
     ref = {"loss": loss.detach(), "dx": xf.grad, "dw": wf.grad}
@@ -232,6 +262,10 @@ def errors(name, kind, fn, params, ref):
     out = fn()
     if kind == "logsoftmax":
         return {"out": rel(out, ref["out"])}
+    if kind == "eval":
+        with torch.no_grad():
+            out = fn()
+        return {"loss": abs(out.item() - ref["loss"].item()) / abs(ref["loss"].item())}
     out.backward()
     e = {"loss": abs(out.item() - ref["loss"].item()) / abs(ref["loss"].item()),
          "dx": rel(x.grad, ref["dx"]), "dw": rel(w.grad, ref["dw"])}
@@ -344,7 +378,7 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         kind = SHAPES[shape][5]
         for name in args.methods.split(","):
-            if name not in (LS_METHODS if kind == "logsoftmax" else CE_METHODS):
+            if name not in METHODS[kind]:
                 continue
             t0 = time.time()
             try:

@@ -151,7 +151,11 @@ SHAPES = [(1, 70, 37), (29, 70, 101), (40, 48, 67)]  # N=1; H > every block and 
 @pytest.mark.parametrize("n,h,v", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_forward_stats(n, h, v, dtype, softcap):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_forward_stats(n, h, v, dtype, softcap, tiles, monkeypatch):
+    """The statistics without gradients: row_stats.py, or (``tiles``) the epilogue GEMM of
+    stats_pass.py where it applies (no softcap, rows of a multiple of 16 bytes: H = 48 here)."""
+    monkeypatch.setattr(config, "STATS_EPILOGUE", tiles)
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=True, g=g)
     ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, with_weighted_sum=True)
@@ -433,9 +437,11 @@ def grad_path(request, monkeypatch):
     (``_library``) with the products by torch.mm (CPU GEMMs stand in for cuBLAS; fp16 keeps
     the Triton products), and the row-chunk path (row_chunks.py) with a Z budget of a few rows,
     so that dW is accumulated over several chunks; ``_tiles``: its logits by the epilogue GEMM
-    (logits_tiles.py) wherever that applies (fp32 here, no softcap)."""
+    (logits_tiles.py) wherever that applies (fp32 here, no softcap). The sweep with library
+    products also takes its statistics (the lse) from stats_pass.py where that applies."""
     if request.param == "vocab_sweep_library":
         monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+        monkeypatch.setattr(config, "STATS_EPILOGUE", True)
     if request.param.startswith("row_chunks"):
         monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
         monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)  # 7 rows of Z at V <= 128
@@ -506,6 +512,83 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("n,h,v", [(1, 56, 37), (45, 56, 101), (90, 48, 71)])
+@pytest.mark.parametrize("dtype,bias,class_weight,chunk_bytes,split", [
+    (torch.float32, True, False, 2**20, 2), (torch.float32, False, True, 2**20, 1),
+    (torch.float32, True, True, 1, 2), (torch.float16, True, True, 1, 2)])
+def test_stats_pass(n, h, v, dtype, bias, class_weight, chunk_bytes, split, monkeypatch):
+    """stats_pass.py, the statistics by the epilogue GEMM without E: one chunk or chunks of one
+    row tile each (``chunk_bytes`` 1: the chunk after the valid rows then has nothing to do),
+    the epilogue on the whole tile or on column halves, N = 1, V prime, H not a multiple of
+    the K tile, ignored rows and out-of-shard targets, the weighted sum with and without class
+    weights; rows past the valid count and ignored ones are zero (the allocations are
+    poisoned)."""
+    from fused_ce.kernels import stats_pass
+
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "split": split})
+    monkeypatch.setattr(config, "STATS_EPILOGUE", True)
+    monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
+    chunks = []
+    real = stats_pass.chunk_rows
+    monkeypatch.setattr(stats_pass, "chunk_rows", lambda *a: chunks.append(real(*a)) or chunks[-1])
+    g = _gen()
+    x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight,
+                             ignored=0.4 if n > 1 else 0.0, g=g)
+    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, with_weighted_sum=True)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw), with_weighted_sum=True)
+    bm = config.INTERPRETER["logits_tiles"]["BM"]
+    assert chunks == [min(n, bm) if chunk_bytes == 1 else n]
+    _check_stats(ours, ref, t, TOL[dtype]["stats"], (x, w, b, t, cw), None)
+
+
+@pytest.mark.parametrize("what", ["all_ignored", "nonfinite", "ties", "low_memory_grads"])
+def test_stats_pass_cases(what, small_chunks, monkeypatch):
+    """stats_pass.py on every row ignored (nothing computed, zeros and ignore_index), on NaN and
+    inf in x (they reach the row's lse, no other row's), on exact ties across vocabulary tiles
+    (the first column wins) and as the start of the memory-minimal gradient sweeps."""
+    from fused_ce.kernels import stats_pass
+
+    monkeypatch.setattr(config, "STATS_EPILOGUE", True)
+    used = []
+    real = stats_pass.row_stats
+    monkeypatch.setattr(stats_pass, "row_stats", lambda *a: used.append(1) or real(*a))
+    g = _gen()
+    x, w, b, t, cw = _inputs(37, 48, 89, torch.float32, ignored=0.0 if what == "nonfinite"
+                             else 0.25, out_of_shard=what != "nonfinite", g=g)
+    if what == "all_ignored":
+        t[:] = IGNORE
+        out = kernels.forward(x, w, b, t, IGNORE, None, None, with_weighted_sum=True)
+        for name in ("lse", "target_logit", "weighted_sum", "max_logit", "nll"):
+            assert (getattr(out, name) == 0).all(), name
+        assert (out.argmax == IGNORE).all()
+    elif what == "nonfinite":
+        x[4, 7] = float("nan")
+        x[6, 0] = float("inf")
+        out = kernels.forward(x, w, b, t, IGNORE, None, None)
+        assert not torch.isfinite(out.lse[4]) and not torch.isfinite(out.lse[6])
+        assert torch.isfinite(out.lse[[i for i in range(37) if i not in (4, 6)]]).all()
+    elif what == "ties":
+        x = torch.randint(-2, 3, x.shape, generator=g).float()
+        w = torch.randint(-2, 3, w.shape, generator=g).float()
+        w[60] = w[80] = w[5]  # the same logit in three tiles
+        out = kernels.forward(x, w, None, t, IGNORE, None, None)
+        exact = x.double() @ w.double().t()
+        valid = t != IGNORE
+        assert torch.equal(out.argmax[valid], exact.argmax(1)[valid])
+        assert torch.equal(out.max_logit.double()[valid], exact.max(1).values[valid])
+    else:
+        co = _coefs(37, g)
+        kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True,
+                  low_memory=True)
+        out = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
+        ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                                **{**kw, "coefs": GradCoefs(*map(_d, co))})
+        _check_stats(out, ref, t, 1e-5, (x, w, b, t, cw), None)
+        _check_grads(out, ref._asdict(), x, w, b, 1e-5, (True, True, True))
+    assert used
 
 
 @pytest.mark.parametrize("ignored,budget,arrived", [(1.0, 7 * 128 * 4, False),

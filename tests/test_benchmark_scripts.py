@@ -35,7 +35,8 @@ def _loss64(x, w, b, t):
 
 
 @pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "fused_ce_fp32z",
-                                    "fused_ce_epilogue", "eager", "torch_lce"])
+                                    "fused_ce_epilogue", "fused_ce_rowstats", "eager",
+                                    "torch_lce"])
 def test_bench_methods_compute_the_loss(method):
     bench = _load("bench")
     x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
@@ -46,6 +47,21 @@ def test_bench_methods_compute_the_loss(method):
     loss = bench.method_fn(method, "ce", x, w, b, t)()
     ref = _loss64(x, w, b, t)
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.parametrize("method", ["fused_ce", "fused_ce_rowstats", "eager"])
+def test_bench_eval_step_is_forward_only(method):
+    """The ``_eval`` shapes' step: the loss under torch.no_grad (no graph, no gradients), and
+    their error against the fp32 reference is the loss's alone."""
+    bench = _load("bench")
+    x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
+    fn = bench.method_fn(method, "eval", x, w, b, t)
+    loss = bench.forward_backward(method, "eval", fn, [x, w, b])()
+    assert loss.grad_fn is None and x.grad is None and w.grad is None
+    ref = _loss64(x, w, b, t)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    err = bench.errors(method, "eval", fn, [x, w, b], bench.reference_fp32("eval", x, w, b, t))
+    assert set(err) == {"loss"} and err["loss"] <= 1e-5
 
 
 @pytest.mark.parametrize("method", ["fused_ce", "torch_lce"])

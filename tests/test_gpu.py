@@ -162,6 +162,42 @@ def test_gemm_ahead_on_a_second_stream_identical(monkeypatch):
             _assert_identical(kernels.forward(x, w, b, t, -100, None, None, **kw), plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("n,h,v,chunk_bytes", [(3000, 1024, 10007, 64 * 2**20),
+                                               (3000, 1024, 10007, 2**20),
+                                               (1500, 4096, 30011, 64 * 2**20)])
+def test_forward_stats_vs_fp64(dtype, tiles, n, h, v, chunk_bytes, monkeypatch):
+    """The forward pass without gradients (torch.no_grad, eval) against fp64: by the epilogue
+    GEMM without E (stats_pass.py; 16-bit inputs, in one chunk or, at 1 MiB of tile
+    statistics, three) or by row_stats.py; fp32 always takes row_stats.py. V prime, N not a
+    multiple of a tile, BERT's and the wide heads' tile configurations, ignored rows, class
+    weights with the weighted sum."""
+    from fused_ce.kernels import stats_pass
+    monkeypatch.setattr(config, "STATS_EPILOGUE", tiles)
+    monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
+    used = []
+    real = stats_pass.row_stats
+    monkeypatch.setattr(stats_pass, "row_stats", lambda *a: used.append(1) or real(*a))
+    x, w, b, t = _inputs(n, h, v, dtype)
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1)
+    cw = torch.rand(v, device="cuda", generator=g) + 0.5
+    ours = kernels.forward(x, w, b, t, -100, None, cw, with_weighted_sum=True)
+    assert bool(used) == (tiles and dtype != torch.float32)
+    ref = reference.forward(x.double(), w.double(), b.double(), t, -100, None, cw.double(),
+                            with_weighted_sum=True)
+    valid = t != -100
+    assert _rel(ours.lse, ref.lse) <= 1e-6
+    assert _rel(ours.nll, ref.nll) <= 2e-6 and (ours.nll[~valid] == 0).all()
+    assert _rel(ours.target_logit, ref.target_logit) <= 1e-5
+    assert _rel(ours.weighted_sum, ref.weighted_sum) <= 1e-5
+    mism = (ours.argmax != ref.argmax) & valid
+    assert mism.float().mean().item() < 1e-3
+    assert torch.equal(ours.argmax[~valid], ref.argmax[~valid])
+    assert ours.dx is None and ours.dw is None and ours.db is None
+
+
 def test_backward_matches_forward_grads():
     x, w, b, t = _inputs(1500, 768, 5003, torch.bfloat16)
     coefs = _mean_coefs(t, 1500)
@@ -229,12 +265,13 @@ def test_deterministic(path):
     _assert_identical(*runs)
 
 
-def test_cuda_graph_capture(sweep_only):
-    """No host sync: forward+grads capture into a CUDA graph and replay on new values."""
+@pytest.mark.parametrize("grads", [True, False])
+def test_cuda_graph_capture(sweep_only, grads):
+    """No host sync: forward (+ grads) capture into a CUDA graph and replay on new values."""
     x, w, b, t = _inputs(1024, 512, 4099, torch.bfloat16)
     coefs = _mean_coefs(t, 1024)
-    run = lambda: kernels.forward(x, w, b, t, -100, None, None, coefs=coefs, need_dx=True,
-                                  need_dw=True, need_db=True)
+    run = lambda: kernels.forward(x, w, b, t, -100, None, None, coefs=coefs if grads else None,
+                                  need_dx=grads, need_dw=grads, need_db=grads)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -6,7 +6,8 @@
 #                   name NAME the tree in ab_NAME/: mkdir ab_old && git archive REV | tar -x -C ab_old)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
-#   bench           BERT shapes with peers
+#   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
+#                   loss under torch.no_grad, methods fused_ce,fused_ce_rowstats,eager,compile,...)
 #   large           Llama-3 / Gemma-2 shapes (LARGE_METHODS, default fused_ce,floor)
 #   upstream        gradient errors with a non-unit upstream gradient (eighth session)
 #   finish_once     the one-read finish variants, tools/probe_finish_once.py (ninth)
@@ -42,13 +43,13 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
       echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
-        | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done | tee "$OUT/ab.log" ;;
+        | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;
 db_fold) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_db_fold.py 2>&1 | grep -v Warn \
          | tee "$OUT/db_fold.log" ;;
 db_parts) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_db_parts.py 2>&1 | grep -v Warn \
          | tee "$OUT/db_parts.log" ;;
 db) timeout 60 python3 tools/probe_db_gemm.py 2>&1 | grep -v Warn | tee "$OUT/db.log" ;;
-tests) timeout 200 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
+tests) timeout 300 python3 -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py 2>&1 \
          | grep -v Warn | tail -15 | tee "$OUT/tests.log" ;;
 bench) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/bert" $B \
          --shapes ${BENCH_SHAPES:-bert8k,mlm,bert16k} \

@@ -85,7 +85,8 @@ def logits_tiles_cases(variants: bool):
                         "e_desc": f"tensordesc<bf16[{cfg['BM']}, {bs}]>"}
                 consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=bias, HAS_CW=cw, WITH_WS=ws,
                               UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                              SPLIT=split, FLATTEN=cfg["flatten"], LOG_PROBS=False)
+                              SPLIT=split, FLATTEN=cfg["flatten"], LOG_PROBS=False,
+                              STATS_ONLY=False)
                 yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}"
                        + " cw 1 no bias" * cw, logits_tiles.logits_tiles_kernel, consts, desc,
                        cfg["num_warps"], cfg["num_stages"], "bf16")
@@ -94,9 +95,18 @@ def logits_tiles_cases(variants: bool):
                    logits_tiles.logits_tiles_kernel,
                    {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
                     "LOG_PROBS": True}, desc, cfg["num_warps"], cfg["num_stages"], "bf16")
+            # the statistics pass (stats_pass.py: no E), bf16 and fp16
+            for dt in ("bf16", "fp16"):
+                yield (f"logits_tiles_kernel {name} split {split} stats only {dt}",
+                       logits_tiles.logits_tiles_kernel,
+                       {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
+                        "STATS_ONLY": True, "e_desc": None},
+                       {k: v.replace("bf16", dt) for k, v in desc.items() if k != "e_desc"},
+                       cfg["num_warps"], cfg["num_stages"], dt)
         bs = logits_tiles.tile_width(cfg)
         for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
-            consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, NEED_D=need_d,
+            consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,
+                          NEED_D=need_d,
                           BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
                           BN=bs)
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,

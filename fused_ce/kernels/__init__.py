@@ -6,9 +6,10 @@
     kernel between them. It reads the number of valid rows on the host once per call. For bf16
     heads without a softcap (BERT's from 4096 valid rows, wide ones always) the logits GEMM is
     a Triton one whose epilogue does the softmax's first pass (logits_tiles.py).
-  - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one fused sweep
+  - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one statistics pass
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
-    (row_stats.py), and the gradients follow from vocabulary sweeps (gradients.py). Valid rows
+    (16-bit inputs without a softcap: the epilogue GEMM without E, stats_pass.py; otherwise
+    row_stats.py), and the gradients follow from vocabulary sweeps (gradients.py). Valid rows
     are compacted on the device and the Triton kernels read their count from device memory.
     The sweeps' cuBLAS products (bf16, fp32) need host sizes: when the forward checks targets
     outside graph capture, the valid count comes with that check's one read and the products
@@ -41,7 +42,7 @@ from fused_ce.reference import GradCoefs, RowStats
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
 
 from fused_ce.kernels import config
-from fused_ce.kernels import row_chunks
+from fused_ce.kernels import row_chunks, stats_pass
 from fused_ce.kernels.gradients import grad_scale, gradients, library_products, row_coefs
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
@@ -65,6 +66,8 @@ def _use_reference(x: Tensor, weight: Tensor) -> bool:
 
 
 def _row_stats(p: Problem, with_weighted_sum: bool):
+    if stats_pass.applicable(p):
+        return stats_pass.row_stats(p, with_weighted_sum)
     lg = p.cfg["logits"]
     n_tiles = triton.cdiv(p.V, lg["BLOCK_N"])
     row_tiles = triton.cdiv(p.N, lg["BLOCK_M"])

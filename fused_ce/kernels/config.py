@@ -88,6 +88,13 @@ LOGITS_EPILOGUE = None
 # descriptors can address, True also under the interpreter (tests, fp32), False never (the
 # cuBLAS fp32 path; bench method fused_ce_fp32z).
 LOG_PROBS_EPILOGUE = None
+# The statistics pass (no gradients: torch.no_grad; the lse the vocabulary sweeps start from)
+# by the epilogue GEMM without E (stats_pass.py) instead of row_stats.py: None for 16-bit CUDA
+# inputs whose rows TMA descriptors can address and no softcap, True also under the
+# interpreter (tests, fp32), False never. STATS_TILE_BYTES bounds its per-(row, tile)
+# statistics: the rows per chunk.
+STATS_EPILOGUE = None
+STATS_TILE_BYTES = 64 * 2**20
 # The sweeps' dX/dW products by cuBLAS for bf16/fp32 (gradients.library_products); the ON_CPU
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True

@@ -60,12 +60,14 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
-                        LOG_PROBS: tl.constexpr = False):
+                        LOG_PROBS: tl.constexpr = False, STATS_ONLY: tl.constexpr = False):
     """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
     over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
     BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
     (the grid) take the (BM, BN) output tiles in turn. With LOG_PROBS (log_softmax: rows in
-    order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored. Otherwise
+    order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored. With
+    STATS_ONLY (the forward pass without gradients, stats_pass.py) only the statistics are
+    stored, no E (``e_desc`` may be None). Otherwise
     the rows past the valid count (``count_ptr``, on the device; the chunk's first row is the
     compacted position c0) are not computed: a chunk launched before the host has read the
     count covers the first rows of the stable partition, the valid ones first."""
@@ -94,23 +96,23 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
         if SPLIT == 1:
             _tile_epilogue(acc, rows, off_m, off_n, pid_n, e_desc, bias_ptr, cw_ptr, M, V, m_ptr,
                            s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS,
-                           LOG_PROBS, BN)
+                           LOG_PROBS, STATS_ONLY, BN)
         else:
             z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             _tile_epilogue(z0, rows, off_m, off_n, 2 * pid_n, e_desc, bias_ptr, cw_ptr, M, V,
                            m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW,
-                           WITH_WS, LOG_PROBS, BN // 2)
+                           WITH_WS, LOG_PROBS, STATS_ONLY, BN // 2)
             # (in the last tile, this half may lie past V: tile n_tiles_v, nothing stored)
             _tile_epilogue(z1, rows, off_m, off_n + BN // 2, 2 * pid_n + 1, e_desc, bias_ptr,
                            cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE,
-                           HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, BN // 2)
+                           HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, STATS_ONLY, BN // 2)
 
 
 @triton.jit
 def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_ptr, s_ptr, a_ptr,
                    ws_ptr, n_tiles_v, E_DTYPE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
-                   LOG_PROBS: tl.constexpr, BS: tl.constexpr):
+                   LOG_PROBS: tl.constexpr, STATS_ONLY: tl.constexpr, BS: tl.constexpr):
     """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E (with LOG_PROBS: U) and the
     statistics from the fp32 logits z (without the bias). In place on z, and each (BM, BS)
     temporary ends before the next begins (registers)."""
@@ -148,7 +150,8 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
     else:
         e = _exp(u)
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
-        e_desc.store([off_m, off_n], e.to(E_DTYPE))
+        if not STATS_ONLY:
+            e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
 
 @triton.jit
@@ -170,16 +173,19 @@ def _exp(u):
 
 @triton.jit
 def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x_ptr, ldx, w_ptr,
-                        ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, c0, c_tgt_ptr,
-                        c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
-                        am_ptr, nll_ptr, loss_ptr, V, VPAD, HAS_BIAS: tl.constexpr,
-                        HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, NEED_D: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr,
-                        BN: tl.constexpr):
-    """One program per chunk row r (x's row ``x_ptr + r ldx``): the row's statistics and loss
-    from its tiles and its target logit (_target_logit), then (with NEED_D) D over E in
-    columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step."""
+                        ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, count_ptr, c0,
+                        c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
+                        ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
+                        HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
+                        WITH_LOSS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_H: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr):
+    """One program per chunk row r (x's row ``x_ptr + r ldx``): the row's statistics and (with
+    WITH_LOSS) loss from its tiles and its target logit (_target_logit), then (with NEED_D) D
+    over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step.
+    Rows past the valid count (``count_ptr``, on the device) write nothing, as in the GEMM."""
     r = tl.program_id(0).to(tl.int64)
+    if c0 + r >= tl.load(count_ptr):
+        return
     e_row = e_ptr + r * lde
     ti = tl.arange(0, TILES)
     cj = tl.arange(0, BN)
@@ -200,7 +206,7 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
                        BLOCK_H)
     lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                           c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
-                          loss_ptr, WITH_WS)
+                          loss_ptr, WITH_WS, WITH_LOSS)
     if NEED_D:
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)
@@ -335,16 +341,19 @@ def tile_width(cfg: dict) -> int:
 def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count, c0: int, V: int,
            m, s, a, ws, n_tiles: int, **flags) -> None:
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
-    multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)]; ``flags``: HAS_BIAS, HAS_CW,
-    WITH_WS and LOG_PROBS, the rest from the tile configuration ``cfg``."""
+    multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)], or only the statistics where
+    ``e`` is None; ``flags``: HAS_BIAS, HAS_CW, WITH_WS and LOG_PROBS, the rest from the tile
+    configuration ``cfg``."""
     cc, h = xc.shape
     x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
-    e_desc = TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], tile_width(cfg)])
+    e_desc = (None if e is None
+              else TensorDescriptor.from_tensor(e[:cc], [cfg["BM"], tile_width(cfg)]))
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
         x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
-        E_DTYPE=tl.bfloat16 if e.dtype == torch.bfloat16 else tl.float32,
+        E_DTYPE=tl.bfloat16 if e is not None and e.dtype == torch.bfloat16 else tl.float32,
+        STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
         SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags)
@@ -366,7 +375,8 @@ class TileStats:
 
     def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
                with_ws: bool) -> None:
-        """E over e[:len(xc), :V] and the tile statistics of the chunk's rows."""
+        """E over e[:len(xc), :V] (none where ``e`` is None) and the tile statistics of the
+        chunk's rows."""
         launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.n_valid, c0, p.V, self.m, self.s,
                self.a, self.ws, self.n_tiles, HAS_BIAS=p.bias is not None,
                HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
@@ -381,10 +391,10 @@ class TileStats:
         cc = xc.shape[0]
         finish_tiles_kernel[(cc,)](
             e, e.shape[1], self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
-            p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, c0, *cf,
-            out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss, p.V, e.shape[1],
+            p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid,
+            c0, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss, p.V, e.shape[1],
             HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
-            NEED_D=need_d and db_parts is None, BLOCK_T=triton.next_power_of_2(self.n_tiles),
+            WITH_LOSS=True, NEED_D=need_d and db_parts is None, BLOCK_T=triton.next_power_of_2(self.n_tiles),
             BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"], BN=tile_width(cfg),
             num_warps=cfg["finish_warps"])
         if db_parts is None:

@@ -158,7 +158,7 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
                                               softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
         lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
                               c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
-                              am_ptr, nll_ptr, loss_ptr, WITH_WS)
+                              am_ptr, nll_ptr, loss_ptr, WITH_WS, True)
     if NEED_D:
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)

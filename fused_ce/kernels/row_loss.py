@@ -50,11 +50,11 @@ def row_max(m, arg):
 @triton.jit
 def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                     c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr,
-                    WITH_WS: tl.constexpr):
+                    WITH_WS: tl.constexpr, WITH_LOSS: tl.constexpr):
     """Merges the lanes (row_chunks._fold_block's, or one per vocabulary tile: each a max m,
     s = sum exp(z - m), the first column of m, a weighted sum) and writes the row's statistics
-    and loss (``zt``: its target's finished logit, 0 when the target is not a column here);
-    returns its lse."""
+    and (WITH_LOSS: from the coefficients) loss (``zt``: its target's finished logit, 0 when
+    the target is not a column here); returns its lse."""
     mx, am = row_max(m, arg)
     log_s = merged_lse(m, s)[1]
     lse = mx + log_s
@@ -67,8 +67,9 @@ def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_p
     tl.store(ws_ptr + row, ws_sum)
     tl.store(max_ptr + row, mx)
     tl.store(am_ptr + row, am.to(tl.int64))
-    tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
-                                       c_prob_ptr, c_lse_sq_ptr, WITH_WS))
+    if WITH_LOSS:
+        tl.store(loss_ptr + row, _row_loss(row, lse, zt, ws_sum, nll, c_tgt_ptr, c_smooth_ptr,
+                                           c_prob_ptr, c_lse_sq_ptr, WITH_WS))
     return lse
 
 

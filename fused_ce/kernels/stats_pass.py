@@ -1,0 +1,82 @@
+"""The statistics pass by the epilogue GEMM: per-row lse, target logit, weighted sum, max,
+argmax and nll of ``z = x W^T + b`` without storing logits and without a host sync. It serves
+the forward pass without gradients (``torch.no_grad``, eval) and the lse that the vocabulary
+sweeps (gradients.py: graph capture, ``low_memory``) start from, in place of row_stats.py.
+
+Per chunk of c positions of the stable partition ``p.row_idx`` (valid rows first)::
+
+    xc = x[row_idx[c0 : c0 + c]]       gathered rows (TMA needs them contiguous)
+    logits_tiles_kernel (STATS_ONLY)   the persistent TMA GEMM; its epilogue writes per (row,
+                                       vocabulary tile) m_t = max_j z_j, s_t = sum_j exp(z_j -
+                                       m_t), the first column of m_t (and sum_j w_j z_j); no E
+    finish_tiles_kernel (no D)         per row: lse = M + log sum_t s_t exp(m_t - M), the
+                                       target logit as the dot product x . W_t (+ b_t), nll
+
+Both kernels read the valid count on the device and skip the positions past it, so ignored
+rows cost nothing and the sizes on the host are only N's. The chunks bound the tile statistics
+(12-16 bytes per row and tile: 3 KB per row at BERT's vocabulary, 12 KB at Llama-3's) by
+``config.STATS_TILE_BYTES``: O(N) memory.
+
+Against row_stats.py (per-row pointer gathers of x inside the logits kernel, 128-wide tiles,
+vocabulary splits merged by torch ops afterwards) this is the row-chunk path's GEMM, whose
+128 x 256 tile and TMA loads run at ~75 % of cuBLAS on an H100 (NOTES.md #54).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from fused_ce.kernels import config
+from fused_ce.kernels.logits_tiles import TileStats, finish_tiles_kernel, tile_width
+from fused_ce.kernels.problem import Problem, descriptor_ok
+
+
+def applicable(p: Problem) -> bool:
+    """config.STATS_EPILOGUE (None: 16-bit CUDA inputs), no softcap, x and W addressable by TMA
+    descriptors (problem.descriptor_ok). fp32 on a GPU keeps row_stats.py (its exact dot;
+    the interpreter runs fp32 here too)."""
+    wanted = config.STATS_EPILOGUE
+    if wanted is None:
+        wanted = p.device.type == "cuda" and not config.interpreting()
+    dtypes = ((torch.bfloat16, torch.float16, torch.float32) if config.interpreting()
+              else (torch.bfloat16, torch.float16))
+    return (bool(wanted) and p.N > 0 and p.softcap is None and p.x.dtype in dtypes
+            and p.weight.dtype == p.x.dtype and descriptor_ok(p.x) and descriptor_ok(p.weight))
+
+
+def chunk_rows(p: Problem, with_ws: bool) -> int:
+    """Positions per chunk: the tile statistics within config.STATS_TILE_BYTES, in as few
+    chunks as that allows, balanced, a multiple of the GEMM's row tile (at most N)."""
+    cfg = p.cfg["logits_tiles"]
+    per_row = triton.cdiv(p.V, tile_width(cfg)) * (16 if with_ws else 12)
+    bm = cfg["BM"]
+    c_max = max(bm, config.STATS_TILE_BYTES // per_row // bm * bm)
+    return min(p.N, triton.cdiv(triton.cdiv(p.N, triton.cdiv(p.N, c_max)), bm) * bm)
+
+
+def row_stats(p: Problem, with_ws: bool):
+    """(lse, target_logit, weighted_sum, max_logit, argmax, nll) per row, zeros (argmax
+    ignore_index) on ignored rows: row_stats.combine's contract."""
+    n, dev = p.N, p.device
+    c = chunk_rows(p, with_ws)
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse = torch.zeros(n, **f32)
+    zt, ws, mx, nll = torch.zeros((4, n), **f32).unbind()
+    am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
+    ts = TileStats(p, c, with_ws)
+    xc = torch.empty((c, p.H), dtype=p.x.dtype, device=dev)
+    for c0 in range(0, n, c):
+        cc = min(c, n - c0)
+        torch.index_select(p.x, 0, p.row_idx[c0:c0 + cc], out=xc[:cc])
+        ts.logits(p, xc[:cc], None, c0, p.bias_arg, with_ws)
+        # (the loss coefficients are not read without WITH_LOSS: lse stands in for them)
+        finish_tiles_kernel[(cc,)](
+            xc, 0, ts.m, ts.s, ts.a, ts.ws, ts.n_tiles, xc, xc.stride(0), p.weight,
+            p.weight.stride(0), p.bias_arg, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid, c0,
+            lse, lse, lse, lse, lse, zt, ws, mx, am, nll, lse, p.V, 0,
+            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+            WITH_LOSS=False, NEED_D=False, BLOCK_T=triton.next_power_of_2(ts.n_tiles),
+            BLOCK_H=ts.cfg["finish_block_h"], TILES=ts.cfg["finish_tiles"],
+            BN=tile_width(ts.cfg), num_warps=ts.cfg["finish_warps"])
+    return lse, zt, ws, mx, am, nll
