@@ -1,9 +1,10 @@
 #!/bin/bash
-# Device calls of the seventh to eighteenth sessions. STEPS picks among:
+# Device calls of the seventh to twentieth sessions. STEPS picks among:
 #   finish          the finish kernels alone
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
-#                   order AB_ORDER (old new old new) in one call (new is this tree, any other
-#                   name NAME the tree in ab_NAME/: mkdir ab_old && git archive REV | tar -x -C ab_old)
+#                   order AB_ORDER (old new old new) in one call, AB_TIMEOUT s each (60) (new is
+#                   this tree, any other name NAME the tree in ab_NAME/: mkdir ab_old && git
+#                   archive REV | tar -x -C ab_old)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
@@ -38,7 +39,7 @@ for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
 ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
-      echo "== $v"; timeout 60 python3 $d/benchmarks/bench.py --out /tmp/ab $B \
+      echo "== $v"; timeout ${AB_TIMEOUT:-60} python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;
