@@ -84,6 +84,6 @@ overlap) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_overlap.py --sha
 tiles_cfg) for r in $(seq ${TILES_ROUNDS:-2}); do IFS=';'; for c in ${TILES_CFGS:-'{}';'{"split": 1}'}; do
          unset IFS; echo "== $c"; timeout 120 python3 tools/bench_tiles_config.py "$c" --out /tmp/tc $B \
          --shapes ${TILES_SHAPES:-bert8k,bert16k} --methods fused_ce 2>&1 \
-         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2) " | sort -u; done; unset IFS; done \
+         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done; unset IFS; done \
          | tee "$OUT/tiles_cfg.log" ;;
 esac; done

@@ -102,7 +102,7 @@ def logits_tiles_cases(variants: bool):
                        {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
                         "STATS_ONLY": True, "e_desc": None},
                        {k: v.replace("bf16", dt) for k, v in desc.items() if k != "e_desc"},
-                       cfg["num_warps"], cfg["num_stages"], dt)
+                       cfg["num_warps"], cfg["stats_stages"], dt)
         bs = logits_tiles.tile_width(cfg)
         for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
             consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,

@@ -30,11 +30,13 @@ GPU = {
     # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on. db_*: d_tiles_kernel's tile (rows,
     # vocabulary tiles, warps) for D with db's partial sums; (64, 4, 4), (32, 16, 8), (128, 16,
     # 8) and (64, 8, 4) within the spread on an H100 (NOTES.md #51). overlap: the next chunk's
-    # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead; not measured yet)
+    # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead; not measured yet).
+    # stats_stages: the pipeline stages of the statistics pass (stats_pass.py: no E staged in
+    # shared memory, so 4 stages fit: 197 KB on sm_90)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=4096, db_rows=64, db_tiles=16, db_warps=8,
-                         overlap=False),
+                         overlap=False, stats_stages=3),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
 # Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
@@ -60,7 +62,7 @@ INTERPRETER = {
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
                          split=2, finish_tiles=2, finish_warps=1, finish_block_h=16, programs=3,
                          use=False, min_rows=0, db_rows=3, db_tiles=2, db_warps=1,
-                         overlap=False),
+                         overlap=False, stats_stages=1),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

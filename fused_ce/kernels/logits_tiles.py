@@ -356,7 +356,7 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
         STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
         SPLIT=cfg["split"], FLATTEN=cfg["flatten"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **flags)
+        num_stages=cfg["num_stages"] if e is not None else cfg["stats_stages"], **flags)
 
 
 class TileStats:
