@@ -154,7 +154,7 @@ SHAPES = [(1, 70, 37), (29, 70, 101), (40, 48, 67)]  # N=1; H > every block and 
 @pytest.mark.parametrize("tiles", [False, True])
 def test_forward_stats(n, h, v, dtype, softcap, tiles, monkeypatch):
     """The statistics without gradients: row_stats.py, or (``tiles``) the epilogue GEMM of
-    stats_pass.py where it applies (no softcap, rows of a multiple of 16 bytes: H = 48 here)."""
+    stats_pass.py where it applies (rows of a multiple of 16 bytes: H = 48 here)."""
     monkeypatch.setattr(config, "STATS_EPILOGUE", tiles)
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, dtype, class_weight=True, g=g)
@@ -515,16 +515,18 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
 
 
 @pytest.mark.parametrize("n,h,v", [(1, 56, 37), (45, 56, 101), (90, 48, 71)])
-@pytest.mark.parametrize("dtype,bias,class_weight,chunk_bytes,split", [
-    (torch.float32, True, False, 2**20, 2), (torch.float32, False, True, 2**20, 1),
-    (torch.float32, True, True, 1, 2), (torch.float16, True, True, 1, 2)])
-def test_stats_pass(n, h, v, dtype, bias, class_weight, chunk_bytes, split, monkeypatch):
+@pytest.mark.parametrize("dtype,bias,class_weight,softcap,chunk_bytes,split", [
+    (torch.float32, True, False, None, 2**20, 2), (torch.float32, False, True, None, 2**20, 1),
+    (torch.float32, True, True, 2.0, 1, 2), (torch.float16, True, True, None, 1, 2),
+    (torch.float16, False, False, 3.0, 2**20, 1)])
+def test_stats_pass(n, h, v, dtype, bias, class_weight, softcap, chunk_bytes, split,
+                    monkeypatch):
     """stats_pass.py, the statistics by the epilogue GEMM without E: one chunk or chunks of one
     row tile each (``chunk_bytes`` 1: the chunk after the valid rows then has nothing to do),
     the epilogue on the whole tile or on column halves, N = 1, V prime, H not a multiple of
     the K tile, ignored rows and out-of-shard targets, the weighted sum with and without class
-    weights; rows past the valid count and ignored ones are zero (the allocations are
-    poisoned)."""
+    weights, with and without a softcap (2.0: most logits well into the cap's bend); rows past
+    the valid count and ignored ones are zero (the allocations are poisoned)."""
     from fused_ce.kernels import stats_pass
 
     monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
@@ -537,11 +539,12 @@ def test_stats_pass(n, h, v, dtype, bias, class_weight, chunk_bytes, split, monk
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight,
                              ignored=0.4 if n > 1 else 0.0, g=g)
-    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, with_weighted_sum=True)
-    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw), with_weighted_sum=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, with_weighted_sum=True)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                            with_weighted_sum=True)
     bm = config.INTERPRETER["logits_tiles"]["BM"]
     assert chunks == [min(n, bm) if chunk_bytes == 1 else n]
-    _check_stats(ours, ref, t, TOL[dtype]["stats"], (x, w, b, t, cw), None)
+    _check_stats(ours, ref, t, TOL[dtype]["stats"], (x, w, b, t, cw), softcap)
 
 
 @pytest.mark.parametrize("what", ["all_ignored", "nonfinite", "ties", "low_memory_grads"])

@@ -164,15 +164,17 @@ def test_gemm_ahead_on_a_second_stream_identical(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tiles", [False, True])
-@pytest.mark.parametrize("n,h,v,chunk_bytes", [(3000, 1024, 10007, 64 * 2**20),
-                                               (3000, 1024, 10007, 2**20),
-                                               (1500, 4096, 30011, 64 * 2**20)])
-def test_forward_stats_vs_fp64(dtype, tiles, n, h, v, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("n,h,v,chunk_bytes,softcap", [(3000, 1024, 10007, 64 * 2**20, None),
+                                                       (3000, 1024, 10007, 2**20, None),
+                                                       (1500, 4096, 30011, 64 * 2**20, None),
+                                                       (1500, 2304, 30011, 64 * 2**20, 3.0)])
+def test_forward_stats_vs_fp64(dtype, tiles, n, h, v, chunk_bytes, softcap, monkeypatch):
     """The forward pass without gradients (torch.no_grad, eval) against fp64: by the epilogue
     GEMM without E (stats_pass.py; 16-bit inputs, in one chunk or, at 1 MiB of tile
     statistics, three) or by row_stats.py; fp32 always takes row_stats.py. V prime, N not a
-    multiple of a tile, BERT's and the wide heads' tile configurations, ignored rows, class
-    weights with the weighted sum."""
+    multiple of a tile, BERT's and the wide heads' tile configurations, a softcap (Gemma-2's
+    head, capped at 3 so that most logits are in the bend), ignored rows, class weights with
+    the weighted sum."""
     from fused_ce.kernels import stats_pass
     monkeypatch.setattr(config, "STATS_EPILOGUE", tiles)
     monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
@@ -183,9 +185,9 @@ def test_forward_stats_vs_fp64(dtype, tiles, n, h, v, chunk_bytes, monkeypatch):
     g = torch.Generator(device="cuda")
     g.manual_seed(1)
     cw = torch.rand(v, device="cuda", generator=g) + 0.5
-    ours = kernels.forward(x, w, b, t, -100, None, cw, with_weighted_sum=True)
+    ours = kernels.forward(x, w, b, t, -100, softcap, cw, with_weighted_sum=True)
     assert bool(used) == (tiles and dtype != torch.float32)
-    ref = reference.forward(x.double(), w.double(), b.double(), t, -100, None, cw.double(),
+    ref = reference.forward(x.double(), w.double(), b.double(), t, -100, softcap, cw.double(),
                             with_weighted_sum=True)
     valid = t != -100
     assert _rel(ours.lse, ref.lse) <= 1e-6

@@ -86,7 +86,7 @@ def logits_tiles_cases(variants: bool):
                 consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=bias, HAS_CW=cw, WITH_WS=ws,
                               UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                               SPLIT=split, FLATTEN=cfg["flatten"], LOG_PROBS=False,
-                              STATS_ONLY=False)
+                              STATS_ONLY=False, HAS_SOFTCAP=False)
                 yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}"
                        + " cw 1 no bias" * cw, logits_tiles.logits_tiles_kernel, consts, desc,
                        cfg["num_warps"], cfg["num_stages"], "bf16")
@@ -96,17 +96,17 @@ def logits_tiles_cases(variants: bool):
                    {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
                     "LOG_PROBS": True}, desc, cfg["num_warps"], cfg["num_stages"], "bf16")
             # the statistics pass (stats_pass.py: no E), bf16 and fp16
-            for dt in ("bf16", "fp16"):
-                yield (f"logits_tiles_kernel {name} split {split} stats only {dt}",
-                       logits_tiles.logits_tiles_kernel,
+            for dt, cap in (("bf16", False), ("fp16", False), ("bf16", True)):
+                yield (f"logits_tiles_kernel {name} split {split} stats only {dt}"
+                       + " softcap" * cap, logits_tiles.logits_tiles_kernel,
                        {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
-                        "STATS_ONLY": True, "e_desc": None},
+                        "STATS_ONLY": True, "HAS_SOFTCAP": cap, "e_desc": None},
                        {k: v.replace("bf16", dt) for k, v in desc.items() if k != "e_desc"},
                        cfg["num_warps"], cfg["stats_stages"], dt)
         bs = logits_tiles.tile_width(cfg)
         for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
             consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,
-                          NEED_D=need_d,
+                          NEED_D=need_d, HAS_SOFTCAP=cw,
                           BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
                           BN=bs)
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,

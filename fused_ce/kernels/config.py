@@ -92,7 +92,7 @@ LOGITS_EPILOGUE = None
 LOG_PROBS_EPILOGUE = None
 # The statistics pass (no gradients: torch.no_grad; the lse the vocabulary sweeps start from)
 # by the epilogue GEMM without E (stats_pass.py) instead of row_stats.py: None for 16-bit CUDA
-# inputs whose rows TMA descriptors can address and no softcap, True also under the
+# inputs whose rows TMA descriptors can address, True also under the
 # interpreter (tests, fp32), False never. STATS_TILE_BYTES bounds its per-(row, tile)
 # statistics: the rows per chunk.
 STATS_EPILOGUE = None

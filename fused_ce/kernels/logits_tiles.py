@@ -48,6 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
+from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothing,
                                        store_row_stats)
@@ -55,19 +56,21 @@ from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothin
 
 @triton.jit
 def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0, M, V, H, m_ptr,
-                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs,
+                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs, softcap,
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
-                        LOG_PROBS: tl.constexpr = False, STATS_ONLY: tl.constexpr = False):
+                        LOG_PROBS: tl.constexpr = False, STATS_ONLY: tl.constexpr = False,
+                        HAS_SOFTCAP: tl.constexpr = False):
     """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
     over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
     BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
     (the grid) take the (BM, BN) output tiles in turn. With LOG_PROBS (log_softmax: rows in
     order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored. With
     STATS_ONLY (the forward pass without gradients, stats_pass.py) only the statistics are
-    stored, no E (``e_desc`` may be None). Otherwise
+    stored, no E (``e_desc`` may be None), of the logits softcapped where HAS_SOFTCAP (E holds
+    no z to differentiate the cap by). Otherwise
     the rows past the valid count (``count_ptr``, on the device; the chunk's first row is the
     compacted position c0) are not computed: a chunk launched before the host has read the
     count covers the first rows of the stable partition, the valid ones first."""
@@ -96,23 +99,25 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
         if SPLIT == 1:
             _tile_epilogue(acc, rows, off_m, off_n, pid_n, e_desc, bias_ptr, cw_ptr, M, V, m_ptr,
                            s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS,
-                           LOG_PROBS, STATS_ONLY, BN)
+                           LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, softcap, BN)
         else:
             z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             _tile_epilogue(z0, rows, off_m, off_n, 2 * pid_n, e_desc, bias_ptr, cw_ptr, M, V,
                            m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW,
-                           WITH_WS, LOG_PROBS, STATS_ONLY, BN // 2)
+                           WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, softcap, BN // 2)
             # (in the last tile, this half may lie past V: tile n_tiles_v, nothing stored)
             _tile_epilogue(z1, rows, off_m, off_n + BN // 2, 2 * pid_n + 1, e_desc, bias_ptr,
                            cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE,
-                           HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, STATS_ONLY, BN // 2)
+                           HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP,
+                           softcap, BN // 2)
 
 
 @triton.jit
 def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_ptr, s_ptr, a_ptr,
                    ws_ptr, n_tiles_v, E_DTYPE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
-                   LOG_PROBS: tl.constexpr, STATS_ONLY: tl.constexpr, BS: tl.constexpr):
+                   LOG_PROBS: tl.constexpr, STATS_ONLY: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, softcap, BS: tl.constexpr):
     """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E (with LOG_PROBS: U) and the
     statistics from the fp32 logits z (without the bias). In place on z, and each (BM, BS)
     temporary ends before the next begins (registers)."""
@@ -122,6 +127,8 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
     stat = rows.to(tl.int64) * n_tiles_v + t
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=in_v, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        z = softcap * tanh(z / softcap)
     if WITH_WS:
         if HAS_CW:
             cw = tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)
@@ -175,10 +182,11 @@ def _exp(u):
 def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x_ptr, ldx, w_ptr,
                         ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, count_ptr, c0,
                         c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
-                        ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
+                        ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD, softcap,
                         HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
                         WITH_LOSS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_H: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr):
+                        BLOCK_H: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr = False):
     """One program per chunk row r (x's row ``x_ptr + r ldx``): the row's statistics and (with
     WITH_LOSS) loss from its tiles and its target logit (_target_logit), then (with NEED_D) D
     over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step.
@@ -202,8 +210,8 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     else:
         ws = tl.zeros((BLOCK_T,), tl.float32)
     mx, am = row_max(m, arg)
-    zt = _target_logit(x_ptr + r * ldx, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, HAS_BIAS,
-                       BLOCK_H)
+    zt = _target_logit(x_ptr + r * ldx, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
+                       HAS_BIAS, HAS_SOFTCAP, BLOCK_H)
     lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                           c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
                           loss_ptr, WITH_WS, WITH_LOSS)
@@ -220,10 +228,10 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
 
 
 @triton.jit
-def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, HAS_BIAS: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """The row's target logit z_t = x . W_t (+ b_t), an fp32 dot product (0 when the target is
-    not a column here: ignored, or another shard's). Where the target is the row's argmax, z_t
+def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
+                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The row's target logit z_t = x . W_t (+ b_t), softcapped where HAS_SOFTCAP, an fp32 dot
+    product (0 when the target is not a column here: ignored, or another shard's). Where the target is the row's argmax, z_t
     is its max ``mx`` instead: the GEMM's own value of that logit, so that nll = (mx - z_t) +
     log s stays exact for confident targets (a z_t summed in another order can differ from mx
     by an ulp of |z|, as large as such an nll). The epilogue no longer looks for the target in
@@ -238,6 +246,8 @@ def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, HAS_BIAS: tl.c
     z = tl.sum(acc, 0)
     if HAS_BIAS:
         z += tl.load(bias_ptr + tl.where(has_t, tgt, 0)).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * tanh(z / softcap)
     return tl.where(has_t, tl.where(am == tgt, mx, z), 0.0)
 
 
@@ -339,11 +349,11 @@ def tile_width(cfg: dict) -> int:
 
 
 def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count, c0: int, V: int,
-           m, s, a, ws, n_tiles: int, **flags) -> None:
+           m, s, a, ws, n_tiles: int, softcap: float = 1.0, **flags) -> None:
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
     multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)], or only the statistics where
-    ``e`` is None; ``flags``: HAS_BIAS, HAS_CW, WITH_WS and LOG_PROBS, the rest from the tile
-    configuration ``cfg``."""
+    ``e`` is None; ``flags``: HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS and (statistics only)
+    HAS_SOFTCAP, the rest from the tile configuration ``cfg``."""
     cc, h = xc.shape
     x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
     e_desc = (None if e is None
@@ -351,7 +361,7 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
-        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
+        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs, softcap,
         E_DTYPE=tl.bfloat16 if e is not None and e.dtype == torch.bfloat16 else tl.float32,
         STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
@@ -378,8 +388,9 @@ class TileStats:
         """E over e[:len(xc), :V] (none where ``e`` is None) and the tile statistics of the
         chunk's rows."""
         launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.n_valid, c0, p.V, self.m, self.s,
-               self.a, self.ws, self.n_tiles, HAS_BIAS=p.bias is not None,
-               HAS_CW=p.class_weight is not None, WITH_WS=with_ws)
+               self.a, self.ws, self.n_tiles, p.softcap_arg, HAS_BIAS=p.bias is not None,
+               HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+               HAS_SOFTCAP=e is None and p.softcap is not None)
 
     def finish(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias, cf, out,
                with_ws: bool, need_d: bool, db_parts=None) -> int:
@@ -393,7 +404,7 @@ class TileStats:
             e, e.shape[1], self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
             p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid,
             c0, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss, p.V, e.shape[1],
-            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+            1.0, HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             WITH_LOSS=True, NEED_D=need_d and db_parts is None, BLOCK_T=triton.next_power_of_2(self.n_tiles),
             BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"], BN=tile_width(cfg),
             num_warps=cfg["finish_warps"])

@@ -6,9 +6,10 @@ sweeps (gradients.py: graph capture, ``low_memory``) start from, in place of row
 Per chunk of c positions of the stable partition ``p.row_idx`` (valid rows first)::
 
     xc = x[row_idx[c0 : c0 + c]]       gathered rows (TMA needs them contiguous)
-    logits_tiles_kernel (STATS_ONLY)   the persistent TMA GEMM; its epilogue writes per (row,
-                                       vocabulary tile) m_t = max_j z_j, s_t = sum_j exp(z_j -
-                                       m_t), the first column of m_t (and sum_j w_j z_j); no E
+    logits_tiles_kernel (STATS_ONLY)   the persistent TMA GEMM; its epilogue adds the bias,
+                                       applies the softcap and writes per (row, vocabulary
+                                       tile) m_t = max_j z_j, s_t = sum_j exp(z_j - m_t), the
+                                       first column of m_t (and sum_j w_j z_j); no E
     finish_tiles_kernel (no D)         per row: lse = M + log sum_t s_t exp(m_t - M), the
                                        target logit as the dot product x . W_t (+ b_t), nll
 
@@ -33,15 +34,15 @@ from fused_ce.kernels.problem import Problem, descriptor_ok
 
 
 def applicable(p: Problem) -> bool:
-    """config.STATS_EPILOGUE (None: 16-bit CUDA inputs), no softcap, x and W addressable by TMA
-    descriptors (problem.descriptor_ok). fp32 on a GPU keeps row_stats.py (its exact dot;
+    """config.STATS_EPILOGUE (None: 16-bit CUDA inputs), x and W addressable by TMA descriptors
+    (problem.descriptor_ok). fp32 on a GPU keeps row_stats.py (its exact dot;
     the interpreter runs fp32 here too)."""
     wanted = config.STATS_EPILOGUE
     if wanted is None:
         wanted = p.device.type == "cuda" and not config.interpreting()
     dtypes = ((torch.bfloat16, torch.float16, torch.float32) if config.interpreting()
               else (torch.bfloat16, torch.float16))
-    return (bool(wanted) and p.N > 0 and p.softcap is None and p.x.dtype in dtypes
+    return (bool(wanted) and p.N > 0 and p.x.dtype in dtypes
             and p.weight.dtype == p.x.dtype and descriptor_ok(p.x) and descriptor_ok(p.weight))
 
 
@@ -74,9 +75,9 @@ def row_stats(p: Problem, with_ws: bool):
         finish_tiles_kernel[(cc,)](
             xc, 0, ts.m, ts.s, ts.a, ts.ws, ts.n_tiles, xc, xc.stride(0), p.weight,
             p.weight.stride(0), p.bias_arg, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid, c0,
-            lse, lse, lse, lse, lse, zt, ws, mx, am, nll, lse, p.V, 0,
-            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
-            WITH_LOSS=False, NEED_D=False, BLOCK_T=triton.next_power_of_2(ts.n_tiles),
+            lse, lse, lse, lse, lse, zt, ws, mx, am, nll, lse, p.V, 0, p.softcap_arg,
+            HAS_SOFTCAP=p.softcap is not None, HAS_BIAS=p.bias is not None,
+            HAS_CW=p.class_weight is not None, WITH_WS=with_ws, WITH_LOSS=False, NEED_D=False, BLOCK_T=triton.next_power_of_2(ts.n_tiles),
             BLOCK_H=ts.cfg["finish_block_h"], TILES=ts.cfg["finish_tiles"],
             BN=tile_width(ts.cfg), num_warps=ts.cfg["finish_warps"])
     return lse, zt, ws, mx, am, nll
