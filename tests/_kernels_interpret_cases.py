@@ -95,6 +95,14 @@ def _weighted_sum_scale(z64, t, cw):
     return (z64.abs() @ cw)[t != IGNORE].norm().item()
 
 
+def _recorded(monkeypatch, owner, name):
+    """The results of every call of ``owner.name`` made while the case runs, in a list."""
+    results = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: results.append(real(*a)) or results[-1])
+    return results
+
+
 def _check_stats(ours, ref, t, tol, inputs, softcap):
     """inputs: (x, w, b, t, cw) as the kernels got them; softcap as passed."""
     x, w, b, _, cw = inputs
@@ -533,9 +541,7 @@ def test_stats_pass(n, h, v, dtype, bias, class_weight, softcap, chunk_bytes, sp
                         {**config.INTERPRETER["logits_tiles"], "split": split})
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
     monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
-    chunks = []
-    real = stats_pass.chunk_rows
-    monkeypatch.setattr(stats_pass, "chunk_rows", lambda *a: chunks.append(real(*a)) or chunks[-1])
+    chunks = _recorded(monkeypatch, stats_pass, "chunk_rows")
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, class_weight=class_weight,
                              ignored=0.4 if n > 1 else 0.0, g=g)
@@ -555,9 +561,7 @@ def test_stats_pass_cases(what, small_chunks, monkeypatch):
     from fused_ce.kernels import stats_pass
 
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
-    used = []
-    real = stats_pass.row_stats
-    monkeypatch.setattr(stats_pass, "row_stats", lambda *a: used.append(1) or real(*a))
+    used = _recorded(monkeypatch, stats_pass, "row_stats")
     g = _gen()
     x, w, b, t, cw = _inputs(37, 48, 89, torch.float32, ignored=0.0 if what == "nonfinite"
                              else 0.25, out_of_shard=what != "nonfinite", g=g)
@@ -831,9 +835,7 @@ def test_log_softmax_tiles(n, h, v, budget, split, monkeypatch):
                         {**config.INTERPRETER["logits_tiles"], "split": split})
     monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
-    used = []
-    real = row_chunks._log_softmax_tiles
-    monkeypatch.setattr(row_chunks, "_log_softmax_tiles", lambda *a: used.append(1) or real(*a))
+    used = _recorded(monkeypatch, row_chunks, "_log_softmax_tiles")
     g = _gen()
     x, w, b, _, _ = _inputs(n, h, v, torch.float32, g=g)
     b = b * 30.0
