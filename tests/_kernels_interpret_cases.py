@@ -103,6 +103,12 @@ def _recorded(monkeypatch, owner, name):
     return results
 
 
+def _epilogue_split(monkeypatch, split):
+    """The interpreter's epilogue GEMM on its whole tile (1) or on column halves (2)."""
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "split": split})
+
+
 def _check_stats(ours, ref, t, tol, inputs, softcap):
     """inputs: (x, w, b, t, cw) as the kernels got them; softcap as passed."""
     x, w, b, _, cw = inputs
@@ -497,8 +503,7 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     second half lies past V)."""
     from fused_ce.kernels import logits_tiles
 
-    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
-                        {**config.INTERPRETER["logits_tiles"], "split": split})
+    _epilogue_split(monkeypatch, split)
     used = []
     real = logits_tiles.TileStats.logits
     monkeypatch.setattr(logits_tiles.TileStats, "logits",
@@ -537,8 +542,7 @@ def test_stats_pass(n, h, v, dtype, bias, class_weight, softcap, chunk_bytes, sp
     the valid count and ignored ones are zero (the allocations are poisoned)."""
     from fused_ce.kernels import stats_pass
 
-    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
-                        {**config.INTERPRETER["logits_tiles"], "split": split})
+    _epilogue_split(monkeypatch, split)
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
     monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
     chunks = _recorded(monkeypatch, stats_pass, "chunk_rows")
@@ -831,8 +835,7 @@ def test_log_softmax_tiles(n, h, v, budget, split, monkeypatch):
     bias, and a row whose logits are its bias alone (x = 0)."""
     from fused_ce.kernels import row_chunks
 
-    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
-                        {**config.INTERPRETER["logits_tiles"], "split": split})
+    _epilogue_split(monkeypatch, split)
     monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
     used = _recorded(monkeypatch, row_chunks, "_log_softmax_tiles")
