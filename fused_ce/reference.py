@@ -205,22 +205,29 @@ class _Chunker:
         return z, cap_factor
 
     def grad_logits_(self, z, lse, tgt, has_tgt, coefs_rows, cap_factor, shifted=None,
-                     cols: slice = slice(None)) -> Tensor:
+                     cols: slice = slice(None), exp_sums=None, target_logit=None) -> Tensor:
         """Overwrites the logits ``z`` (columns ``cols``) with dz (module docstring);
         ``cap_factor`` from ``logits`` when a softcap is set; ``tgt`` the target's column within
         ``cols`` where ``has_tgt``. ``shifted = (m, s)`` with ``s = logsumexp(z - m)`` over the
         whole row (lse = m + s): the log-probabilities are then (z - m) - s, which keeps the
         digits that rounding m + s into one fp32 lse drops (at |lse| ~ 5 it rounds to 4.8e-7,
-        all of 1 - p when p ~ 1 - 2e-7); without it, z - lse."""
+        all of 1 - p when p ~ 1 - 2e-7); without it, z - lse. With ``exp_sums`` (whole rows,
+        after _whole_row_stats_) z already holds exp(z - m) and exp_sums its row sums: the
+        probabilities are z / exp_sums, without a second pass of exp, and the target's
+        log-probability comes from its logit ``target_logit``."""
         target_c, smooth_c, prob_c, lse_sq_c = (c.to(self.acc) for c in coefs_rows)
         alpha = prob_c + 2 * lse_sq_c * lse
         rows = torch.arange(z.shape[0], device=z.device)
-        if shifted is None:
-            z.sub_(lse[:, None])
+        if exp_sums is not None:
+            log_p_t = (target_logit - shifted[0]) - shifted[1]
+            z.mul_((alpha / exp_sums)[:, None])
         else:
-            z.sub_(shifted[0][:, None]).sub_(shifted[1][:, None])
-        log_p_t = z[rows, tgt]
-        z.exp_().mul_(alpha[:, None])
+            if shifted is None:
+                z.sub_(lse[:, None])
+            else:
+                z.sub_(shifted[0][:, None]).sub_(shifted[1][:, None])
+            log_p_t = z[rows, tgt]
+            z.exp_().mul_(alpha[:, None])
         # The target column, alpha * p_t - target_c, as alpha * expm1(log p_t) + (alpha -
         # target_c): equal, but a p_t near 1 is stored with an absolute error of ~6e-8 in fp32,
         # which is all of 1 - p_t once that is ~1e-7; expm1 of log p_t keeps 1 - p_t to a few
@@ -278,16 +285,21 @@ def _weighted_sum(ch: _Chunker, z: Tensor, cols: slice = slice(None)) -> Tensor:
     return z.sum(1) if ch.class_weight is None else z @ ch.class_weight[cols]
 
 
-def _whole_row_stats(ch, z, tgt, has_tgt, with_weighted_sum) -> _BlockStats:
+def _whole_row_stats_(ch, z, tgt, has_tgt, with_weighted_sum) -> tuple[_BlockStats, Tensor]:
+    """(statistics of the whole rows of logits ``z``, the row sums of exp(z - m)); z is left
+    holding exp(z - m), m the row max (0 where it is not finite), which grad_logits_ scales
+    into the probabilities: one pass of exp over the logits, not two, and no copy of them."""
     mx, am = z.max(dim=1)
-    finite, m, log_s = _shifted_lse(z, mx)
     zt = torch.where(has_tgt, z.gather(1, tgt[:, None]).squeeze(1), 0)
     ws = _weighted_sum(ch, z) if with_weighted_sum else None
-    return _BlockStats(finite, m, log_s, zt, ws, mx, am)
+    finite = torch.isfinite(mx)
+    m = torch.where(finite, mx, 0)
+    sums = z.sub_(m[:, None]).exp_().sum(1)
+    return _BlockStats(finite, m, sums.log(), zt, ws, mx, am), sums
 
 
 def _tile_stats(ch, xc, tgt, has_tgt, cols, with_weighted_sum) -> _BlockStats:
-    """_whole_row_stats of the rows ``xc`` from vocabulary tiles of ``cols`` columns, one tile
+    """_whole_row_stats_ of the rows ``xc`` from vocabulary tiles of ``cols`` columns, one tile
     of logits alive at a time: the log-sum-exp online (s = sum_j exp(z_j - m) rescaled by
     exp(m_old - m_new) when a tile raises the running max m), the argmax keeping the first
     column of the row max (a later tile wins only if strictly greater, or NaN)."""
@@ -329,8 +341,11 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     ch = _Chunker(x, weight, bias, class_weight, softcap, whole_rows)
     want_grads = coefs is not None and (need_dx or need_dw or need_db)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if want_grads and need_dx else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
-    db = torch.zeros(vocab, dtype=acc, device=x.device) if want_grads and need_db else None
+    # dW and db: written by the first block (beta = 0), added to by the others; zeros only
+    # where no row is processed
+    new = torch.empty if rows_all.numel() else torch.zeros
+    dw = new(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
+    db = new(vocab, dtype=acc, device=x.device) if want_grads and need_db else None
 
     stats_wanted = lse_in is None
     if stats_wanted:
@@ -347,11 +362,12 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
         rows = rows_all[start:start + step]
         xc = ch.rows(rows)
         tgt, has_tgt = _local_targets(target.index_select(0, rows), vocab)
-        st = None
+        st = sums = None
         if whole_rows:
             z, cap_factor = ch.logits(xc, with_cap_factor=want_grads)
-            if own_stats:
-                st = _whole_row_stats(ch, z, tgt, has_tgt, stats_wanted and with_weighted_sum)
+            if own_stats:  # (z then holds exp(z - m))
+                st, sums = _whole_row_stats_(ch, z, tgt, has_tgt,
+                                             stats_wanted and with_weighted_sum)
         elif own_stats:
             st = _tile_stats(ch, xc, tgt, has_tgt, cols, stats_wanted and with_weighted_sum)
         if stats_wanted:
@@ -377,13 +393,17 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             if not whole_rows:
                 z, cap_factor = ch.logits(xc, cs, with_cap_factor=True, w=w_cs)
             tl, inside = _tile_targets(tgt, has_tgt, cs)
-            dz = ch.grad_logits_(z, lse_c, tl, inside, coefs_rows, cap_factor, shifted, cs)
+            dz = ch.grad_logits_(z, lse_c, tl, inside, coefs_rows, cap_factor, shifted, cs,
+                                 sums, None if st is None else st.target_logit)
             if dx_c is not None:
                 dx_c.addmm_(dz, w_cs)
             if dw is not None:
-                dw[cs].addmm_(dz.t(), xc)
+                dw[cs].addmm_(dz.t(), xc, beta=1 if start else 0)
             if db is not None:
-                db[cs].add_(dz.sum(0))
+                if start:
+                    db[cs].add_(dz.sum(0))
+                else:
+                    torch.sum(dz, 0, out=db[cs])
         if dx_c is not None:
             dx.index_copy_(0, rows, dx_c)
 
