@@ -341,11 +341,8 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     ch = _Chunker(x, weight, bias, class_weight, softcap, whole_rows)
     want_grads = coefs is not None and (need_dx or need_dw or need_db)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if want_grads and need_dx else None
-    # dW and db: written by the first block (beta = 0), added to by the others; zeros only
-    # where no row is processed
-    new = torch.empty if rows_all.numel() else torch.zeros
-    dw = new(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
-    db = new(vocab, dtype=acc, device=x.device) if want_grads and need_db else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
+    db = torch.zeros(vocab, dtype=acc, device=x.device) if want_grads and need_db else None
 
     stats_wanted = lse_in is None
     if stats_wanted:
@@ -398,12 +395,9 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
             if dx_c is not None:
                 dx_c.addmm_(dz, w_cs)
             if dw is not None:
-                dw[cs].addmm_(dz.t(), xc, beta=1 if start else 0)
+                dw[cs].addmm_(dz.t(), xc)
             if db is not None:
-                if start:
-                    db[cs].add_(dz.sum(0))
-                else:
-                    torch.sum(dz, 0, out=db[cs])
+                db[cs].add_(dz.sum(0))
         if dx_c is not None:
             dx.index_copy_(0, rows, dx_c)
 
