@@ -154,6 +154,7 @@ def test_gemm_ahead_on_a_second_stream_identical(monkeypatch):
     coefs = _mean_coefs(t, n)
     kw = dict(with_weighted_sum=True, coefs=coefs, need_dx=True, need_dw=True, need_db=True)
     tiles = config.GPU["logits_tiles"]
+    monkeypatch.setitem(config.GPU, "logits_tiles", {**tiles, "overlap": False})
     plain = kernels.forward(x, w, b, t, -100, None, None, **kw)
     for warps in (tiles["db_warps"], 4):
         monkeypatch.setitem(config.GPU, "logits_tiles", {**tiles, "overlap": True,

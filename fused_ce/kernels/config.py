@@ -30,13 +30,15 @@ GPU = {
     # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on. db_*: d_tiles_kernel's tile (rows,
     # vocabulary tiles, warps) for D with db's partial sums; (64, 4, 4), (32, 16, 8), (128, 16,
     # 8) and (64, 8, 4) within the spread on an H100 (NOTES.md #51). overlap: the next chunk's
-    # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead; not measured yet).
+    # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead): H100, bert16k
+    # 6.22 / 6.23 -> 6.01 / 5.90 ms for one more chunk's E (503 -> 776 MiB); bert8k (one chunk)
+    # unchanged; at 4 D warps no gain (NOTES.md #60).
     # stats_stages: the pipeline stages of the statistics pass (stats_pass.py: no E staged in
     # shared memory, so 4 stages fit: 197 KB on sm_90)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=4096, db_rows=64, db_tiles=16, db_warps=8,
-                         overlap=False, stats_stages=3),
+                         overlap=True, stats_stages=3),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
 # Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
@@ -48,7 +50,8 @@ GPU_WIDE = {
     "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
     # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
-    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0},
+    # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
+    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0, "overlap": False},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.
