@@ -120,11 +120,12 @@ def method_fn(name, kind, x, w, b, t):
         lce, _ = _fused_api()
 
         def run_row_stats():
+            default = config.STATS_EPILOGUE
             config.STATS_EPILOGUE = False
             try:
                 return lce(x, w, t, linear_bias=b)
             finally:
-                config.STATS_EPILOGUE = None
+                config.STATS_EPILOGUE = default
         return run_row_stats
     if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
         # the row-chunk path with its logits by cuBLAS (fp32 Z) and finish_rows_kernel, or by

@@ -8,7 +8,8 @@
     a Triton one whose epilogue does the softmax's first pass (logits_tiles.py).
   - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one statistics pass
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
-    (16-bit inputs: the epilogue GEMM without E, stats_pass.py; otherwise row_stats.py), and the gradients follow from vocabulary sweeps (gradients.py). Valid rows
+    (16-bit inputs: the epilogue GEMM without E, stats_pass.py; otherwise row_stats.py), and
+    the gradients follow from vocabulary sweeps (gradients.py). Valid rows
     are compacted on the device and the Triton kernels read their count from device memory.
     The sweeps' cuBLAS products (bf16, fp32) need host sizes: when the forward checks targets
     outside graph capture, the valid count comes with that check's one read and the products

@@ -231,11 +231,12 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
 def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr):
     """The row's target logit z_t = x . W_t (+ b_t), softcapped where HAS_SOFTCAP, an fp32 dot
-    product (0 when the target is not a column here: ignored, or another shard's). Where the target is the row's argmax, z_t
-    is its max ``mx`` instead: the GEMM's own value of that logit, so that nll = (mx - z_t) +
-    log s stays exact for confident targets (a z_t summed in another order can differ from mx
-    by an ulp of |z|, as large as such an nll). The epilogue no longer looks for the target in
-    every tile (a compare, a select and a row sum per logit)."""
+    product (0 when the target is not a column here: ignored, or another shard's). Where the
+    target is the row's argmax, z_t is its max ``mx`` instead: the GEMM's own value of that
+    logit, so that nll = (mx - z_t) + log s stays exact for confident targets (a z_t summed in
+    another order can differ from mx by an ulp of |z|, as large as such an nll). The epilogue
+    no longer looks for the target in every tile (a compare, a select and a row sum per
+    logit)."""
     has_t = (tgt >= 0) & (tgt < V)
     w_row = w_ptr + tl.where(has_t, tgt, 0) * ldw
     acc = tl.zeros((BLOCK_H,), tl.float32)
@@ -361,7 +362,8 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
-        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs, softcap,
+        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
+        softcap,
         E_DTYPE=tl.bfloat16 if e is not None and e.dtype == torch.bfloat16 else tl.float32,
         STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
@@ -392,22 +394,27 @@ class TileStats:
                HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
                HAS_SOFTCAP=e is None and p.softcap is not None)
 
-    def finish(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias, cf, out,
-               with_ws: bool, need_d: bool, db_parts=None) -> int:
+    def finish(self, p: Problem, xc: torch.Tensor, e, c0: int, bias, cf, out, with_ws: bool,
+               need_d: bool, db_parts=None) -> int:
         """The statistics and loss of the chunk's rows ``xc`` (``bias`` as given to ``logits``),
         and D over E. With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from
         d_tiles_kernel, which also writes db's partial sums there; returns how many rows of
-        them."""
+        them. Without coefficients (``cf`` None: stats_pass.py) the statistics alone: no loss,
+        no D, no E (``e`` None)."""
         cfg = self.cfg
         cc = xc.shape[0]
+        stats_only = cf is None
+        e_arg, vpad = (xc, 0) if e is None else (e, e.shape[1])
         finish_tiles_kernel[(cc,)](
-            e, e.shape[1], self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
+            e_arg, vpad, self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
             p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid,
-            c0, *cf, out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss, p.V, e.shape[1],
-            1.0, HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
-            WITH_LOSS=True, NEED_D=need_d and db_parts is None, BLOCK_T=triton.next_power_of_2(self.n_tiles),
-            BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"], BN=tile_width(cfg),
-            num_warps=cfg["finish_warps"])
+            # (without the loss the coefficients are not read: the lse stands in for them)
+            c0, *([out.lse] * 4 if stats_only else cf), out.lse, out.zt, out.ws, out.mx, out.am,
+            out.nll, out.loss, p.V, vpad, p.softcap_arg, HAS_SOFTCAP=p.softcap is not None,
+            HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
+            WITH_LOSS=not stats_only, NEED_D=need_d and db_parts is None,
+            BLOCK_T=triton.next_power_of_2(self.n_tiles), BLOCK_H=cfg["finish_block_h"],
+            TILES=cfg["finish_tiles"], BN=tile_width(cfg), num_warps=cfg["finish_warps"])
         if db_parts is None:
             return 0
         parts = db_part_rows(cfg, cc)

@@ -34,8 +34,8 @@ statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and h
 workspace per row). Where all N rows would take that path, its first chunk's GEMM is launched
 before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
 host waits and sets up; it is dropped if the count rules the path out. With the tile
-configuration's "overlap" (off by default until measured), each next chunk's GEMM runs on a
-second stream beside a chunk's memory-bound statistics and D pass (_GemmAhead).
+configuration's "overlap" (on at BERT-class heads, config.py), each next chunk's GEMM runs on
+a second stream beside a chunk's memory-bound statistics and D pass (_GemmAhead).
 
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
 ``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
@@ -238,11 +238,11 @@ def chunking(rows: int, bytes_per_row: int, dw32_bytes: int,
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
     align = 128 if c_max >= 128 else 1
-    c = _balanced_chunk(rows, c_max // align * align, align)
+    c = balanced_chunk(rows, c_max // align * align, align)
     return triton.cdiv(rows, c), c
 
 
-def _balanced_chunk(rows: int, c_max: int, align: int) -> int:
+def balanced_chunk(rows: int, c_max: int, align: int) -> int:
     """Rows per chunk of ``rows`` in as few chunks of at most c_max (a multiple of ``align``)
     as possible, balanced, rounded up to a multiple of ``align`` (at most ``rows``)."""
     return min(rows, c_max, triton.cdiv(triton.cdiv(rows, triton.cdiv(rows, c_max)), align)
@@ -694,7 +694,7 @@ def _log_softmax_tiles(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Ten
     v_pad = padded_vocab(v)
     bm = cfg["BM"]
     per_row = v_pad * x.element_size() + n_tiles * 8  # U and the tile statistics
-    c = _balanced_chunk(n, max(bm, config.ROW_CHUNK_BYTES // per_row // bm * bm), bm)
+    c = balanced_chunk(n, max(bm, config.ROW_CHUNK_BYTES // per_row // bm * bm), bm)
     u = torch.empty((c, v_pad), dtype=x.dtype, device=x.device)
     m = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)
     s = torch.empty((c, n_tiles), dtype=torch.float32, device=x.device)

@@ -25,12 +25,15 @@ vocabulary splits merged by torch ops afterwards) this is the row-chunk path's G
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import triton
 
 from fused_ce.kernels import config
-from fused_ce.kernels.logits_tiles import TileStats, finish_tiles_kernel, tile_width
+from fused_ce.kernels.logits_tiles import TileStats, tile_width
 from fused_ce.kernels.problem import Problem, descriptor_ok
+from fused_ce.kernels.row_chunks import balanced_chunk
 
 
 def applicable(p: Problem) -> bool:
@@ -52,8 +55,7 @@ def chunk_rows(p: Problem, with_ws: bool) -> int:
     cfg = p.cfg["logits_tiles"]
     per_row = triton.cdiv(p.V, tile_width(cfg)) * (16 if with_ws else 12)
     bm = cfg["BM"]
-    c_max = max(bm, config.STATS_TILE_BYTES // per_row // bm * bm)
-    return min(p.N, triton.cdiv(triton.cdiv(p.N, triton.cdiv(p.N, c_max)), bm) * bm)
+    return balanced_chunk(p.N, max(bm, config.STATS_TILE_BYTES // per_row // bm * bm), bm)
 
 
 def row_stats(p: Problem, with_ws: bool):
@@ -65,19 +67,13 @@ def row_stats(p: Problem, with_ws: bool):
     lse = torch.zeros(n, **f32)
     zt, ws, mx, nll = torch.zeros((4, n), **f32).unbind()
     am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
+    # (what TileStats.finish writes: no loss without coefficients, so none is stored)
+    out = SimpleNamespace(lse=lse, zt=zt, ws=ws, mx=mx, am=am, nll=nll, loss=lse)
     ts = TileStats(p, c, with_ws)
     xc = torch.empty((c, p.H), dtype=p.x.dtype, device=dev)
     for c0 in range(0, n, c):
         cc = min(c, n - c0)
         torch.index_select(p.x, 0, p.row_idx[c0:c0 + cc], out=xc[:cc])
         ts.logits(p, xc[:cc], None, c0, p.bias_arg, with_ws)
-        # (the loss coefficients are not read without WITH_LOSS: lse stands in for them)
-        finish_tiles_kernel[(cc,)](
-            xc, 0, ts.m, ts.s, ts.a, ts.ws, ts.n_tiles, xc, xc.stride(0), p.weight,
-            p.weight.stride(0), p.bias_arg, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid, c0,
-            lse, lse, lse, lse, lse, zt, ws, mx, am, nll, lse, p.V, 0, p.softcap_arg,
-            HAS_SOFTCAP=p.softcap is not None, HAS_BIAS=p.bias is not None,
-            HAS_CW=p.class_weight is not None, WITH_WS=with_ws, WITH_LOSS=False, NEED_D=False, BLOCK_T=triton.next_power_of_2(ts.n_tiles),
-            BLOCK_H=ts.cfg["finish_block_h"], TILES=ts.cfg["finish_tiles"],
-            BN=tile_width(ts.cfg), num_warps=ts.cfg["finish_warps"])
+        ts.finish(p, xc[:cc], None, c0, p.bias_arg, None, out, with_ws, False)
     return lse, zt, ws, mx, am, nll
