@@ -54,6 +54,7 @@ SHAPES = {
     "bert16k_eval": (16384, 1024, 30522, True, 1.0, "eval"),
     "mlm_eval": (16384, 1024, 30522, True, 0.15, "eval"),
     "llama3_eval": (16384, 4096, 128256, False, 1.0, "eval"),
+    "gemma2_eval": (8192, 2304, 256000, False, 1.0, "eval"),
 }
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",

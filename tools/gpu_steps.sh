@@ -9,7 +9,7 @@
 #   tests           GPU tests
 #   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
 #                   loss under torch.no_grad, methods fused_ce,fused_ce_rowstats,eager,compile,...)
-#   large           Llama-3 / Gemma-2 shapes (LARGE_METHODS, default fused_ce,floor)
+#   large           Llama-3 / Gemma-2 shapes (LARGE_SHAPES, LARGE_METHODS, default fused_ce,floor)
 #   upstream        gradient errors with a non-unit upstream gradient (eighth session)
 #   finish_once     the one-read finish variants, tools/probe_finish_once.py (ninth)
 #   epilogue_probe  tools/probe_persistent_logits.py (twelfth)
@@ -57,7 +57,7 @@ bench) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/ber
          --methods ${BENCH_METHODS:-fused_ce,kernels,compile,liger,floor} 2>&1 | grep -v Warn \
          | tee "$OUT/bert.log" | tail -30 ;;
 large) timeout ${LARGE_TIMEOUT:-150} python3 benchmarks/bench.py --out "$OUT/large" $B \
-         --warmup-steps 2 --shapes llama3,gemma2 --methods ${LARGE_METHODS:-fused_ce,floor} \
+         --warmup-steps 2 --shapes ${LARGE_SHAPES:-llama3,gemma2} --methods ${LARGE_METHODS:-fused_ce,floor} \
          2>&1 | grep -v Warn | tee "$OUT/large.log" | tail -8 ;;
 finish_once) timeout 120 python3 tools/probe_finish_once.py 2>&1 | grep -v Warn \
           | tee "$OUT/finish_once.log" ;;

@@ -28,8 +28,8 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fused_ce.kernels import row_chunks  # noqa: E402
-from fused_ce.kernels.row_chunks import (_finished_logits, _fold_block, _fold_init,  # noqa: E402
-                                         _store_row_stats)
+from fused_ce.kernels.row_chunks import _finished_logits, _fold_block, _fold_init  # noqa: E402
+from fused_ce.kernels.row_loss import store_row_stats  # noqa: E402
 
 
 @triton.jit
@@ -37,9 +37,9 @@ def _tail(m, s, arg, ws, zt_lanes, c, row, tgt, V, c_tgt_ptr, c_smooth_ptr, c_pr
           c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, s_ptr,
           dt_ptr, r):
     zt = tl.sum(zt_lanes, 0)
-    lse = _store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
-                           c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
-                           loss_ptr, False)
+    lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                          c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                          loss_ptr, False, True)
     alpha = tl.load(c_prob_ptr + row) + 2.0 * tl.load(c_lse_sq_ptr + row) * lse
     tl.store(s_ptr + r, alpha * tl.exp(c - lse))
     tl.store(dt_ptr + r, alpha * tl.exp(zt - lse) - tl.load(c_tgt_ptr + row))
