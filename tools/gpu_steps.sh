@@ -31,12 +31,13 @@
 #   tiles_cfg       bench method fused_ce at TILES_SHAPES under each logits_tiles override in
 #                   TILES_CFGS (JSON objects separated by ';', {} the default), alternating
 #                   TILES_ROUNDS times (tools/bench_tiles_config.py, eighteenth)
+# REP_MS: do_bench's measuring time per (shape, method), 200 ms by default
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site
-B="--rep-ms 200 --warmup-ms 50"
+B="--rep-ms ${REP_MS:-200} --warmup-ms 50"
 for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
