@@ -671,7 +671,11 @@ def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
                         or real_finish(self, p, xc, e, c0, *a))
     g = _gen()
     n, h, v = 45, 52, 101
-    x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.2, g=g)
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.0, g=g)
+    # exactly 9 ignored rows, at random places: 36 valid rows of 624 workspace bytes exceed twice
+    # the budget (half the fp32 dW, 10504 bytes), so they go in 3 chunks of 12 rows (a random
+    # count of ignored rows left 33 or fewer sometimes: one chunk)
+    t[torch.randperm(n, generator=g)[:9]] = IGNORE
     co = GradCoefs(*(c / n for c in _coefs(n, g)))
     kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
     results = {}
