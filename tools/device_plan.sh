@@ -1,6 +1,7 @@
 #!/bin/bash
 # The twenty-first session's device calls: PART=table every shape of the issue (training,
-# log-softmax, evaluation) with its peers in one call; PART=bert / PART=large its halves; PART=exp
+# log-softmax, evaluation) with its peers in one call; PART=bert / PART=large its halves; PART=all
+# the GPU tests and the table without eager at the BERT shapes, shorter; PART=exp
 # the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -10,12 +11,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$OUT/device.txt"
 bert() { STEPS=bench BENCH_TIMEOUT=${1:-420} \
     BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval,mlm_eval \
-    BENCH_METHODS=fused_ce,fused_ce_lowmem,eager,compile,liger,floor bash tools/gpu_steps.sh; }
-large() { STEPS=large LARGE_TIMEOUT=${1:-560} REP_MS=1000 \
+    BENCH_METHODS=fused_ce,fused_ce_lowmem,${2-eager,}compile,liger,floor bash tools/gpu_steps.sh; }
+large() { STEPS=large LARGE_TIMEOUT=${1:-560} REP_MS=${2:-1000} \
     LARGE_SHAPES=llama3,gemma2,llama3_eval,gemma2_eval \
     LARGE_METHODS=fused_ce,fused_ce_lowmem,compile,liger,cce,floor bash tools/gpu_steps.sh; }
 case ${PART:-table} in
 table) bert 290; large 270 ;;
+all) STEPS=tests bash tools/gpu_steps.sh; bert 230 ""; large 200 600 ;;
 bert) bert ;;
 large) large ;;
 exp) STEPS=tests bash tools/gpu_steps.sh
