@@ -54,7 +54,8 @@ in the dtype of its input.
 
 Blocks (this backend)
 =====================
-The processed rows go in blocks whose logits stay within a workspace budget (32 MiB, or 4 MiB
+The processed rows go in blocks whose logits stay within a workspace budget (32 MiB, or an
+eighth of dW's size where dW is computed in the weight's own dtype and that is larger; 4 MiB
 with ``low_memory``; ``block_shape``). Where the budget holds at least ``MIN_CHUNK_ROWS``
 whole rows, a block is whole rows: its logits give the statistics and, from the same tensor,
 the gradients (three GEMMs). Where it does not (large vocabularies), a block is a few hundred
@@ -76,6 +77,12 @@ from fused_ce._validation import check_target_values
 # small enough that the whole forward+backward stays far below the logits' size.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 LOW_MEMORY_CHUNK_BYTES = 4 * 2**20
+# With dW computed, the default budget grows to dW's size over this: at a large vocabulary a
+# block of whole rows then holds a few hundred rows (three GEMMs, dW read and written once per
+# block) where 32 MiB would cut them into vocabulary tiles (four GEMM-equivalents). Only where
+# the weight is stored in the accumulation dtype: whole rows up-cast the whole weight once
+# (_Chunker), which for a 16-bit weight would add a V x H fp32 copy.
+DW_BUDGET_FRACTION = 8
 # Whole-row chunks of fewer rows than this give way to vocabulary tiles (block_shape), which
 # are at least MIN_TILE_COLS wide.
 MIN_CHUNK_ROWS = 256
@@ -109,14 +116,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool) -> int:
-    """Rows per chunk so that `buffers` logits-sized chunks stay within the workspace budget."""
+def chunk_rows(vocab: int, dtype: torch.dtype, buffers: int, low_memory: bool,
+               dw_bytes: int = 0) -> int:
+    """Rows per chunk so that `buffers` logits-sized chunks stay within the workspace budget
+    (``_budget``)."""
     per_row = max(1, vocab) * _itemsize(dtype) * buffers
-    return max(1, _budget(low_memory) // per_row)
+    return max(1, _budget(low_memory, dw_bytes) // per_row)
 
 
-def _budget(low_memory: bool) -> int:
-    return LOW_MEMORY_CHUNK_BYTES if low_memory else DEFAULT_CHUNK_BYTES
+def _budget(low_memory: bool, dw_bytes: int = 0) -> int:
+    """The workspace budget: LOW_MEMORY_CHUNK_BYTES, or DEFAULT_CHUNK_BYTES raised to
+    ``dw_bytes`` / DW_BUDGET_FRACTION (``dw_bytes``: the size of a dW the loss computes in the
+    weight's own dtype, else 0)."""
+    if low_memory:
+        return LOW_MEMORY_CHUNK_BYTES
+    return max(DEFAULT_CHUNK_BYTES, dw_bytes // DW_BUDGET_FRACTION)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -124,9 +138,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def block_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, buffers: int,
-                low_memory: bool) -> tuple[int, int]:
+                low_memory: bool, dw_bytes: int = 0) -> tuple[int, int]:
     """(rows per block, vocabulary columns per tile) of the loss's blocks over ``rows``
-    processed rows, within the workspace budget (``low_memory``: the smaller one).
+    processed rows, within the workspace budget (``_budget``; ``low_memory``: the smaller one).
 
     Whole rows (columns = vocab: one pass, three GEMMs) when the budget holds
     ``MIN_CHUNK_ROWS`` of them, or all the rows. Else tiles of the budget's size whose block of
@@ -135,10 +149,10 @@ def block_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, buffers:
     cost more: CPU GEMMs over few rows run up to 1.5x slower, and each chunk re-reads and
     re-writes the whole fp32 dW (2 GiB at Llama-3's head), where a block of tiles does so once.
     """
-    whole = chunk_rows(vocab, dtype, buffers, low_memory)
+    whole = chunk_rows(vocab, dtype, buffers, low_memory, dw_bytes)
     if whole >= min(rows, MIN_CHUNK_ROWS):
         return whole, vocab
-    budget, itemsize = _budget(low_memory), _itemsize(dtype)
+    budget, itemsize = _budget(low_memory, dw_bytes), _itemsize(dtype)
     block = max(1, min(rows, budget // (max(1, hidden) * itemsize),
                        budget // (MIN_TILE_COLS * itemsize * buffers)))
     cols = max(1, budget // (block * itemsize * buffers))
@@ -335,11 +349,13 @@ def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in
     n, vocab = x.shape[0], weight.shape[0]
     acc = accumulation_dtype(x.dtype)
     rows_all = _processed_rows(target, ignore_index)
+    want_grads = coefs is not None and (need_dx or need_dw or need_db)
+    dw_in_acc = want_grads and need_dw and weight.dtype == acc
+    dw_bytes = weight.numel() * _itemsize(acc) if dw_in_acc else 0
     step, cols = block_shape(rows_all.numel(), vocab, x.shape[1], acc,
-                             2 if softcap is not None else 1, low_memory)
+                             2 if softcap is not None else 1, low_memory, dw_bytes)
     whole_rows = cols >= vocab
     ch = _Chunker(x, weight, bias, class_weight, softcap, whole_rows)
-    want_grads = coefs is not None and (need_dx or need_dw or need_db)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if want_grads and need_dx else None
     dw = torch.zeros(weight.shape, dtype=acc, device=x.device) if want_grads and need_dw else None
     db = torch.zeros(vocab, dtype=acc, device=x.device) if want_grads and need_db else None

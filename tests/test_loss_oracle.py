@@ -163,6 +163,52 @@ def test_block_shape(rows, vocab, hidden, low_memory, want):
     assert reference.block_shape(rows, vocab, hidden, torch.float32, 1, low_memory) == want
 
 
+@pytest.mark.parametrize("rows,vocab,hidden,low_memory,want", [
+    (512, 128256, 4096, False, (512, 128256)),   # dW / 8 = 250.5 MiB: 512 whole rows
+    (2048, 128256, 4096, False, (512, 128256)),  # ... per block
+    (1024, 30522, 1024, False, (274, 30522)),    # dW / 8 under 32 MiB: the 32 MiB budget
+    (512, 128256, 4096, True, (256, 4096)),      # low_memory keeps its 4 MiB
+])
+def test_block_shape_with_dw(rows, vocab, hidden, low_memory, want):
+    """Where dW is computed in the weight's dtype the budget grows to an eighth of its size."""
+    dw_bytes = vocab * hidden * 4
+    assert reference.block_shape(rows, vocab, hidden, torch.float32, 1, low_memory,
+                                 dw_bytes) == want
+
+
+@pytest.mark.parametrize("dtype,w_grad,x_grad,want", [
+    (torch.float32, True, True, True),
+    (torch.float32, False, True, False),   # no dW: the 32 MiB budget
+    (torch.bfloat16, True, True, False),   # whole rows would up-cast the weight: 32 MiB
+    (torch.float64, True, False, True),
+])
+def test_budget_grows_with_dw_only_in_the_weights_dtype(monkeypatch, dtype, w_grad, x_grad,
+                                                        want):
+    seen = []
+    real = reference.block_shape
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(reference, "block_shape", spy)
+    n, h, v = 9, 16, 53
+    x = torch.randn(n, h, dtype=dtype).requires_grad_(x_grad)
+    W = torch.randn(v, h, dtype=dtype).requires_grad_(w_grad)
+    t = torch.randint(0, v, (n,))
+    loss = fused_ce.linear_cross_entropy(x, W, t)
+    want_grads = torch.autograd.grad(cross_entropy64(x, W, t),
+                                     [p for p in (x, W) if p.requires_grad])
+    got_grads = torch.autograd.grad(loss, [p for p in (x, W) if p.requires_grad])
+    acc = reference.accumulation_dtype(dtype)
+    dw_bytes = v * h * torch.finfo(acc).bits // 8 if want else 0
+    assert seen and seen[0] == dw_bytes, seen
+    tol = 1e-12 if dtype == torch.float64 else (1e-5 if dtype == torch.float32 else 2**-7)
+    assert rel_err(loss, cross_entropy64(x, W, t)) < tol
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) < tol
+
+
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_tiles_upcast_a_16bit_weight_one_tile_at_a_time(monkeypatch, low_memory):
     """With vocabulary tiles a bf16 weight is up-cast one tile at a time: the workspace holds no
