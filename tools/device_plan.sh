@@ -2,7 +2,7 @@
 # The twenty-first session's device calls: PART=table every shape of the issue (training,
 # log-softmax, evaluation) with its peers in one call; PART=bert / PART=large its halves; PART=all
 # the GPU tests and the table without eager at the BERT shapes, shorter; PART=short what ~450 s
-# allow (an H200's table, else the tests and one A/B); PART=mini ~250 s of it; PART=exp
+# allow (an H200's table, else the tests and one A/B); PART=mini ~190 s of it; PART=exp
 # the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,13 +31,11 @@ short) case "$gpu" in  # what ~450 s allow: the H200's table without eager and C
         TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
     esac ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
-    *H200*) STEPS=bench BENCH_TIMEOUT=150 BENCH_SHAPES=bert8k,mlm,bert16k \
+    *H200*) STEPS=bench BENCH_TIMEOUT=120 BENCH_SHAPES=bert8k,mlm,bert16k \
         BENCH_METHODS=fused_ce,compile,floor bash tools/gpu_steps.sh
-      STEPS=large LARGE_TIMEOUT=100 LARGE_SHAPES=llama3 LARGE_METHODS=fused_ce,compile,floor \
+      STEPS=large LARGE_TIMEOUT=60 LARGE_SHAPES=llama3 LARGE_METHODS=fused_ce,compile,floor \
         bash tools/gpu_steps.sh ;;
-    *) STEPS=tests bash tools/gpu_steps.sh
-      STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=bert16k_eval,llama3_eval \
-        TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
+    *) STEPS=tests bash tools/gpu_steps.sh ;;
     esac ;;
 exp) STEPS=tests bash tools/gpu_steps.sh
     STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=bert16k_eval,llama3_eval \
