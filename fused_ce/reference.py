@@ -274,12 +274,17 @@ class _BlockStats(NamedTuple):
         return self.m + self.log_s
 
 
+def _finite_shift(mx: Tensor) -> tuple[Tensor, Tensor]:
+    """(finite, m): the rows whose max ``mx`` is finite, and the shift m the log-sum-exp is
+    taken around: the max, 0 where it is not finite (an inf or nan max then reaches the lse)."""
+    finite = torch.isfinite(mx)
+    return finite, torch.where(finite, mx, 0)
+
+
 def _shifted_lse(z: Tensor, mx: Optional[Tensor] = None):
     """(finite, m, s): lse = m + s with m the row max ``mx`` (0 where it is not finite) and
     s = logsumexp(z - m), kept apart for the nll and the gradient (grad_logits_)."""
-    mx = z.amax(dim=1) if mx is None else mx
-    finite = torch.isfinite(mx)
-    m = torch.where(finite, mx, 0)
+    finite, m = _finite_shift(z.amax(dim=1) if mx is None else mx)
     return finite, m, torch.logsumexp(z - m[:, None], dim=1)
 
 
@@ -306,8 +311,7 @@ def _whole_row_stats_(ch, z, tgt, has_tgt, with_weighted_sum) -> tuple[_BlockSta
     mx, am = z.max(dim=1)
     zt = torch.where(has_tgt, z.gather(1, tgt[:, None]).squeeze(1), 0)
     ws = _weighted_sum(ch, z) if with_weighted_sum else None
-    finite = torch.isfinite(mx)
-    m = torch.where(finite, mx, 0)
+    finite, m = _finite_shift(mx)
     sums = z.sub_(m[:, None]).exp_().sum(1)
     return _BlockStats(finite, m, sums.log(), zt, ws, mx, am), sums
 
@@ -339,8 +343,7 @@ def _tile_stats(ch, xc, tgt, has_tgt, cols, with_weighted_sum) -> _BlockStats:
         rescale = torch.where(torch.isfinite(m_run), torch.exp(m_run - shift), 1.0)
         s = s * rescale + z.sub_(shift[:, None]).exp_().sum(1)
         m_run = m_new
-    finite = torch.isfinite(m_run)
-    return _BlockStats(finite, torch.where(finite, m_run, 0), s.log(), zt, ws, best, am)
+    return _BlockStats(*_finite_shift(m_run), s.log(), zt, ws, best, am)
 
 
 def _run(x, weight, bias, target, ignore_index, softcap, class_weight, *, lse_in, coefs,
