@@ -2,7 +2,8 @@
 # The twenty-first session's device calls: PART=table every shape of the issue (training,
 # log-softmax, evaluation) with its peers in one call; PART=bert / PART=large its halves; PART=all
 # the GPU tests and the table without eager at the BERT shapes, shorter; PART=short what ~450 s
-# allow (an H200's table, else the tests and one A/B); PART=mini ~190 s of it; PART=exp
+# allow (an H200's table, else the tests and one A/B); PART=fit ~500 s (the tests first,
+# then as short); PART=mini ~190 s of it; PART=exp
 # the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +29,16 @@ short) case "$gpu" in  # what ~450 s allow: the H200's table without eager and C
         LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh ;;
     *) STEPS=tests bash tools/gpu_steps.sh
       STEPS=tiles_cfg TILES_ROUNDS=2 TILES_SHAPES=bert16k_eval,llama3_eval \
+        TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
+    esac ;;
+fit) case "$gpu" in  # ~500 s: the GPU tests, then the H200's table without eager and Cut CE
+    *H200*) STEPS=tests bash tools/gpu_steps.sh
+      STEPS=bench BENCH_TIMEOUT=170 BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval \
+        BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh
+      STEPS=large LARGE_TIMEOUT=150 LARGE_SHAPES=llama3,gemma2 \
+        LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh ;;
+    *) STEPS=tests bash tools/gpu_steps.sh
+      STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=bert16k_eval,llama3_eval \
         TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
     esac ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
