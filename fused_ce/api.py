@@ -121,7 +121,8 @@ def _cast_for_autocast(tensors, device_type):
 
 
 def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor], vocab: int,
-                  reduction: str, label_smoothing: float, z_loss: float, acc: torch.dtype):
+                  reduction: str, label_smoothing: float, z_loss: float, acc: torch.dtype,
+                  mean_after: bool = False):
     """Per-row coefficients of ``loss_i`` (see ``fused_ce.ops``) reproducing
     ``F.cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing)``.
 
@@ -132,24 +133,43 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
         loss     = (1 - eps) * reduce(nll) + eps / V * reduce'(smooth)
 
     'mean' divides both parts by ``sum_valid w[t_i]`` (the number of valid rows without class
-    weights). The z-loss ``z_loss * lse_i**2`` is averaged over valid rows, unweighted. Returns the coefficients and the 'mean' denominator of the nll part.
+    weights). The z-loss ``z_loss * lse_i**2`` is averaged over valid rows, unweighted.
+
+    Returns (coefficients, the 'mean' denominator of the nll part, the divisor the caller
+    applies to the summed loss: 1, or with ``mean_after`` that denominator where it is the
+    only one). ``mean_after`` leaves 'mean' to that division (autograd then passes the upstream
+    gradient over it to the op's one rounding) where both parts share the denominator (no
+    class weights, or no z-loss): the coefficients stay 'sum''s, e.g. 1 and not 1/n, so that
+    a 16-bit D's target entries (p - 1) * coefficient are not all rounded by the same relative
+    error of 1/n, an error that dX and dW would inherit row for row (up to 2^-9: dX 2.7e-3
+    instead of 1.7e-3 against fp64 at n = 614, NOTES.md #64).
     """
     valid_f = valid.to(acc)
     w_t = valid_f if class_weight is None else class_weight.to(acc)[target.clamp(0, vocab - 1)] * valid_f
     w_sum = float(vocab) if class_weight is None else class_weight.to(acc).sum()
+    one = torch.ones((), dtype=acc, device=target.device)
+    divisor = one
     if reduction == "mean":
         d_nll = w_t.sum()
         d_z = valid_f.sum() if z_loss else None
+        if mean_after and (class_weight is None or not z_loss):
+            # (0 valid rows: a divisor of 1 keeps the zero gradients; the loss's nan is added)
+            divisor = torch.where(d_nll == 0, one, d_nll)
+            d_nll_coef = d_z = one
+        else:
+            d_nll_coef = d_nll
     else:
-        d_nll = d_z = torch.ones((), dtype=acc, device=target.device)
+        d_nll = d_nll_coef = d_z = one
     # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway. A term that is
     # off (no smoothing, no z-loss) gets exact zeros without the arithmetic.
-    a = torch.where(valid, ((1 - label_smoothing) * w_t if label_smoothing else w_t) / d_nll, 0)
+    a = torch.where(valid, ((1 - label_smoothing) * w_t if label_smoothing else w_t) / d_nll_coef,
+                    0)
     zeros = None if label_smoothing and z_loss else torch.zeros_like(a)
-    c = torch.where(valid, (label_smoothing / vocab) / d_nll, 0) if label_smoothing else zeros
+    c = (torch.where(valid, (label_smoothing / vocab) / d_nll_coef, 0) if label_smoothing
+         else zeros)
     e = torch.where(valid, z_loss / d_z, 0) if z_loss else zeros
     coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum if label_smoothing else a, lse_sq=e)
-    return coefs, d_nll
+    return coefs, d_nll, divisor
 
 
 def linear_cross_entropy(
@@ -227,7 +247,8 @@ def linear_cross_entropy(
     t = target.reshape(-1).long()
     valid = t != ignore_index
     acc = torch.promote_types(x.dtype, torch.float32)
-    coefs, d_nll = _coefficients(t, valid, weight, vocab, reduction, label_smoothing, z_loss, acc)
+    coefs, d_nll, divisor = _coefficients(t, valid, weight, vocab, reduction, label_smoothing,
+                                          z_loss, acc, mean_after=not low_memory)
     cw = None if weight is None else weight.to(acc)
     softcap = None if softcap is None else float(softcap)
     with_ws = label_smoothing > 0
@@ -243,19 +264,20 @@ def linear_cross_entropy(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory,
                 scan=prepared_targets)
             if reduction == "mean":  # torch: 0/0 = nan when no target is valid
-                loss = loss + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+                loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
     if not return_stats:
         return loss
-    return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss)
+    return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
 
 
-def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss) -> LinearCrossEntropyStats:
+def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=1.0
+           ) -> LinearCrossEntropyStats:
     correct = (argmax == t) & valid
     accuracy = correct.sum().to(lse.dtype) / valid.sum().to(lse.dtype)
     z_term = None
     if z_loss > 0:
         z_rows = coefs.lse_sq * lse * lse
-        z_term = z_rows.reshape(shape) if loss.dim() > 0 else z_rows.sum()
+        z_term = z_rows.reshape(shape) if loss.dim() > 0 else z_rows.sum() / divisor
     return LinearCrossEntropyStats(loss, lse.reshape(shape), argmax.reshape(shape),
                                    correct.reshape(shape), accuracy, z_term)
 

@@ -441,7 +441,8 @@ def vocab_parallel_cross_entropy(
     t = target.reshape(-1).long()
     valid = t != ignore_index
     acc = accumulation_dtype(x.dtype)
-    coefs, d_nll = _coefficients(t, valid, weight, vocab, reduction, label_smoothing, z_loss, acc)
+    coefs, d_nll, _ = _coefficients(t, valid, weight, vocab, reduction, label_smoothing, z_loss,
+                                    acc)
     in_shard = valid & (t >= offset) & (t < offset + v_local)
     t_loc = torch.where(in_shard, t - offset,
                         torch.where(valid, _NOT_HERE, _LOCAL_IGNORE)).contiguous()

@@ -5,6 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import fused_ce
@@ -414,3 +415,40 @@ def test_confident_targets_keep_their_digits(reduction):
                           torch.autograd.grad(want, (x, W, b), up, retain_graph=True),
                           torch.autograd.grad(eager, (x, W, b), up.float())):
         assert_close(gg, wg, eg, 2e-5)
+
+
+@pytest.mark.parametrize("class_weights, z_loss, low_memory, summed",
+                         [(False, 0.0, False, True), (False, 1e-3, False, True),
+                          (True, 0.0, False, True), (True, 1e-3, False, False),
+                          (False, 0.0, True, False)])
+def test_mean_is_the_sum_divided_after_the_op(monkeypatch, class_weights, z_loss, low_memory,
+                                              summed):
+    """'mean' hands the op the coefficients of 'sum' (1 per valid row, not 1/n) and divides its
+    loss afterwards, where one denominator serves the nll and the z-loss, and not with
+    ``low_memory`` (which rounds its gradients in the forward); loss and gradients match fp64."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(41, 24, generator=gen, dtype=torch.float64)
+    w = torch.randn(53, 24, generator=gen, dtype=torch.float64) / 4
+    t = torch.randint(0, 53, (41,), generator=gen)
+    t[::3] = -100
+    cw = torch.rand(53, generator=gen, dtype=torch.float64) + 0.5 if class_weights else None
+    seen = []
+    forward = reference.forward
+    monkeypatch.setattr(reference, "forward",
+                        lambda *a, **k: seen.append(k["coefs"]) or forward(*a, **k))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fused_ce.linear_cross_entropy(xs, ws, t, weight=cw, z_loss=z_loss,
+                                         label_smoothing=0.1, low_memory=low_memory)
+    loss.backward()
+    valid = t != -100
+    w_t = cw[t.clamp(min=0)] if class_weights else torch.ones(41, dtype=torch.float64)
+    want = 0.9 * w_t * valid if summed else 0.9 * w_t * valid / (w_t * valid).sum()
+    assert torch.allclose(seen[0].target, want, rtol=1e-12, atol=0)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    z = xr @ wr.t()
+    ref = F.cross_entropy(z, t, weight=cw, label_smoothing=0.1)
+    if z_loss:
+        ref = ref + z_loss * (torch.logsumexp(z, 1)[valid] ** 2).mean()
+    ref.backward()
+    assert rel_err(loss, ref) < 1e-12
+    assert rel_err(xs.grad, xr.grad) < 1e-10 and rel_err(ws.grad, wr.grad) < 1e-10

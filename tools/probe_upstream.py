@@ -6,9 +6,11 @@ Prints, per shape and g, the relative (norm) errors against fp64 of: fused_ce, e
 (bf16 logits), and eager with fp32 logits. fused_ce at g = 1 is what a single final rounding
 gives (D's rounding does not depend on g), so fused(g) - fused(1) is the extra rounding's cost.
 
-    python tools/probe_upstream.py
+    python tools/probe_upstream.py [--ignored 0.85,0.0] [--ups 1,0.5,0.37,0.3333,0.00163]
+                                   [--seeds 0,1]
 """
 
+import argparse
 import math
 
 import torch
@@ -38,15 +40,22 @@ def grads(fn, x, w, b, t, up, dtype=None):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ignored", default="0.85,0.0")
+    ap.add_argument("--ups", default=f"1,0.5,0.37,{1 / 3},{1 / 613}")
+    ap.add_argument("--seeds", default="0,1")
+    args = ap.parse_args()
+    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
     methods = {
         "fused_ce": lambda x, w, b, t: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b),
         "eager_bf16": lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t),
         "eager_fp32_logits": lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b).float(), t),
     }
     print("shape ignored g seed | " + " | ".join(f"{m} dx/dw/db" for m in methods))
-    for n, h, v, ignored in ((4096, 1024, 30522, 0.85), (4096, 1024, 30522, 0.0)):
-        for up in (1.0, 0.5, 0.37, 1 / 3, 1 / 613):
-            for seed in (0, 1):
+    n, h, v = 4096, 1024, 30522
+    for ignored in floats(args.ignored):
+        for up in floats(args.ups):
+            for seed in (int(s) for s in args.seeds.split(",")):
                 x, w, b, t = inputs(n, h, v, ignored, seed)
                 ref = grads(methods["eager_bf16"], x, w, b, t, up, torch.float64)
                 row = []
