@@ -17,40 +17,36 @@ bert() { STEPS=bench BENCH_TIMEOUT=${1:-420} \
 large() { STEPS=large LARGE_TIMEOUT=${1:-560} REP_MS=${2:-1000} \
     LARGE_SHAPES=llama3,gemma2,llama3_eval,gemma2_eval \
     LARGE_METHODS=fused_ce,fused_ce_lowmem,compile,liger,cce,floor bash tools/gpu_steps.sh; }
+tests() { STEPS=tests bash tools/gpu_steps.sh; }
+# the H200's rows without eager and Cut CE: BERT shapes within $1 s, the wide heads $3 within $2 s
+h200_rows() { STEPS=bench BENCH_TIMEOUT=$1 BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval \
+    BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh
+  STEPS=large LARGE_TIMEOUT=$2 LARGE_SHAPES=$3 LARGE_METHODS=fused_ce,compile,liger,floor \
+    bash tools/gpu_steps.sh; }
+# the statistics pass with 4 pipeline stages against the default, $1 rounds
+stats_stages_ab() { STEPS=tiles_cfg TILES_ROUNDS=$1 TILES_SHAPES=bert16k_eval,llama3_eval \
+    TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh; }
 case ${PART:-table} in
 table) bert 290; large 270 ;;
-all) STEPS=tests bash tools/gpu_steps.sh; bert 230 ""; large 200 600 ;;
+all) tests; bert 230 ""; large 200 600 ;;
 bert) bert ;;
 large) large ;;
 short) case "$gpu" in  # what ~450 s allow: the H200's table without eager and Cut CE, or the tests
-    *H200*) STEPS=bench BENCH_TIMEOUT=230 BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval \
-        BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh
-      STEPS=large LARGE_TIMEOUT=200 LARGE_SHAPES=llama3,gemma2,llama3_eval \
-        LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh ;;
-    *) STEPS=tests bash tools/gpu_steps.sh
-      STEPS=tiles_cfg TILES_ROUNDS=2 TILES_SHAPES=bert16k_eval,llama3_eval \
-        TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
+    *H200*) h200_rows 230 200 llama3,gemma2,llama3_eval ;;
+    *) tests; stats_stages_ab 2 ;;
     esac ;;
 fit) case "$gpu" in  # ~500 s: the GPU tests, then the H200's table without eager and Cut CE
-    *H200*) STEPS=tests bash tools/gpu_steps.sh
-      STEPS=bench BENCH_TIMEOUT=170 BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval \
-        BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh
-      STEPS=large LARGE_TIMEOUT=150 LARGE_SHAPES=llama3,gemma2 \
-        LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh ;;
-    *) STEPS=tests bash tools/gpu_steps.sh
-      STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=bert16k_eval,llama3_eval \
-        TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh ;;
+    *H200*) tests; h200_rows 170 150 llama3,gemma2 ;;
+    *) tests; stats_stages_ab 1 ;;
     esac ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
     *H200*) STEPS=bench BENCH_TIMEOUT=120 BENCH_SHAPES=bert8k,mlm,bert16k \
         BENCH_METHODS=fused_ce,compile,floor bash tools/gpu_steps.sh
       STEPS=large LARGE_TIMEOUT=60 LARGE_SHAPES=llama3 LARGE_METHODS=fused_ce,compile,floor \
         bash tools/gpu_steps.sh ;;
-    *) STEPS=tests bash tools/gpu_steps.sh ;;
+    *) tests ;;
     esac ;;
-exp) STEPS=tests bash tools/gpu_steps.sh
-    STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=bert16k_eval,llama3_eval \
-    TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh
+exp) tests; stats_stages_ab 1
     STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=llama3,gemma2 TILES_CFGS='{};{"overlap": true}' \
     bash tools/gpu_steps.sh ;;
 esac

@@ -49,6 +49,7 @@ def gemm_part():
     r = torch.addmm(z_hi, x, w.t(), beta=-1)
     print("logits product 1024 x 1024 x 30522: seconds, relative error (Frobenius) vs fp64")
     print(f"  bf16 out          {seconds(lambda: x @ w.t()):.3f} s  {rel(z_hi, ref):.2e}")
+
     def hi_lo():
         hi = x @ w.t()
         return hi, torch.addmm(hi, x, w.t(), beta=-1)

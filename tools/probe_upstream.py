@@ -39,13 +39,16 @@ def grads(fn, x, w, b, t, up, dtype=None):
     return [p.grad for p in ps]
 
 
+def _numbers(text, kind):
+    return [kind(v) for v in text.split(",")]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ignored", default="0.85,0.0")
     ap.add_argument("--ups", default=f"1,0.5,0.37,{1 / 3},{1 / 613}")
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args()
-    floats = lambda s: [float(v) for v in s.split(",")]  # noqa: E731
     methods = {
         "fused_ce": lambda x, w, b, t: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b),
         "eager_bf16": lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t),
@@ -53,9 +56,9 @@ def main():
     }
     print("shape ignored g seed | " + " | ".join(f"{m} dx/dw/db" for m in methods))
     n, h, v = 4096, 1024, 30522
-    for ignored in floats(args.ignored):
-        for up in floats(args.ups):
-            for seed in (int(s) for s in args.seeds.split(",")):
+    for ignored in _numbers(args.ignored, float):
+        for up in _numbers(args.ups, float):
+            for seed in _numbers(args.seeds, int):
                 x, w, b, t = inputs(n, h, v, ignored, seed)
                 ref = grads(methods["eager_bf16"], x, w, b, t, up, torch.float64)
                 row = []
