@@ -183,9 +183,12 @@ def assert_close_loss(ours, ref, rtol=1e-5):
 
 
 def assert_grads_equal(g_ours, g_ref, rtol=1e-5):
-    """Every gradient within rtol relative to its own scale; gradients that are exactly zero in
-    exact arithmetic (e.g. attention key biases, ~1e-12 here) are compared against the largest
-    gradient of the model instead."""
+    """Every gradient within rtol relative to its own scale, or to 1e-3 of the model's largest
+    gradient where that is larger: gradients that are exactly zero in exact arithmetic
+    (attention key biases without rotary embeddings, ~1e-12 here) or small by cancellation
+    (key biases under RoPE, a sum of rotated copies over positions: Qwen2's second layer
+    2.5e-5, 1.6e-4 of the largest, with fp32 noise of 1.3e-5 of their own size under
+    transformers 5.25) carry only the rounding noise of the terms they sum."""
     assert g_ours.keys() == g_ref.keys()
     scale = max(g.abs().max().item() for g in g_ref.values() if g is not None)
     for name, ref in g_ref.items():
@@ -194,7 +197,7 @@ def assert_grads_equal(g_ours, g_ref, rtol=1e-5):
             assert ours is None, name
             continue
         assert ours is not None, f"{name}: no gradient in the patched model"
-        tol = rtol * max(ref.abs().max().item(), 1e-4 * scale)
+        tol = rtol * max(ref.abs().max().item(), 1e-3 * scale)
         err = (ours.double() - ref.double()).abs().max().item()
         assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g}"
 
