@@ -34,11 +34,14 @@ GPU = {
     # 6.22 / 6.23 -> 6.01 / 5.90 ms for one more chunk's E (503 -> 776 MiB); bert8k (one chunk)
     # unchanged; at 4 D warps no gain (NOTES.md #60).
     # stats_stages: the pipeline stages of the statistics pass (stats_pass.py: no E staged in
-    # shared memory, so 4 stages fit: 197 KB on sm_90)
+    # shared memory, so 4 stages fit: 197 KB on sm_90). H100, evaluation at BERT's head
+    # (16384 rows), 3 -> 4 stages in four rounds over two sessions: 2.29 -> 2.21, 2.41 ->
+    # 2.25, 2.47 -> 2.26, 2.44 -> 2.40 ms; Llama-3's head 1.7-3 % slower every round (25.0 ->
+    # 25.6 ... 25.6 -> 26.1 ms), so wide heads keep 3 (NOTES.md #65)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=4096, db_rows=64, db_tiles=16, db_warps=8,
-                         overlap=True, stats_stages=3),
+                         overlap=True, stats_stages=4),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
 # Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
@@ -51,7 +54,8 @@ GPU_WIDE = {
     # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
     # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
-    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0, "overlap": False},
+    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0, "overlap": False,
+                     "stats_stages": 3},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.
