@@ -233,6 +233,39 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
+def test_backward_divides_coefficients_by_the_largest(monkeypatch):
+    """The row-chunk backward hands its pass the coefficients divided by their largest
+    magnitude and multiplies that back into the fp32 gradients as it rounds them
+    (kernels._unit_coefs). With one coefficient k on every valid row (an upstream gradient k
+    per row, as a mean taken after reduction='none' gives) D then holds dz, not k * dz rounded:
+    k here is 2^-9 (1 + 0.96 * 2^-11), nearly halfway between two fp16 numbers, and with the
+    logits spread so that p_t is small, every row's target entry (p_t - 1) k would carry k's
+    rounding, a relative ~2^-11 in every row. dX, dW, db then within 1.4x of fp64's gradients
+    rounded once to fp16 (~1.15x; with k left in D ~1.95x). Ignored rows and out-of-shard
+    targets, H and V not multiples of the tiles."""
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    seen = []
+    real = row_chunks.forward_with_grads
+    monkeypatch.setattr(row_chunks, "forward_with_grads",
+                        lambda p, cf, *a, **kw: seen.append(cf) or real(p, cf, *a, **kw))
+    g = _gen()
+    x, w, b, t, _ = _inputs(97, 72, 203, torch.float16, ignored=0.2, g=g)
+    w = (w.float() * 72 ** 0.5 / 2).half()  # logits of spread ~4: most p_t far below 1
+    valid = (t != IGNORE).float()
+    k = 2.0**-9 * (1 + 0.96 * 2.0**-11)
+    zero = torch.zeros(97)
+    co = GradCoefs(valid * k, zero, valid * k, zero)
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None).lse
+    ours = kernels.backward(x, w, b, t, IGNORE, None, None, lse.float(), co, need_dx=True,
+                            need_dw=True, need_db=True)
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
+                             GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
+    assert len(seen) == 1 and torch.equal(seen[0][0], valid) and torch.equal(seen[0][2], valid)
+    for got, exp in zip(ours, ref):
+        assert got.dtype == torch.float16
+        assert _rel(got, exp) <= 1.4 * _rel(exp.half(), exp)
+
+
 def test_low_memory_dx_blocks(monkeypatch):
     """The memory-minimal dX sweeps' layout (gradients._low_memory_dx_blocks): within the own
     budgets without dW's buffer (or with one no larger than both), else the fewest launches

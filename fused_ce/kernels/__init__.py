@@ -152,11 +152,34 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                                   low_memory=low_memory, lse_is_local=lse_is_local)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     if row_chunks.applicable(p, low_memory):
-        _, grads = _row_chunks(p, coefs, False, need_dx, need_dw, need_db, lse_in=lse)
-    else:
-        grads = gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                          low_memory=low_memory)
+        unit, largest = _unit_coefs(p, coefs)
+        _, grads = _row_chunks(p, unit, False, need_dx, need_dw, need_db, lse_in=lse)
+        wanted = [(g, dt) for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias))
+                  if g is not None]
+        scaled = iter(scaled_grads(*zip(*wanted), largest) if wanted else ())
+        return tuple(None if g is None else next(scaled) for g in grads)
+    grads = gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                      low_memory=low_memory)
     return reference.rounded_grads(grads, x, weight, bias)
+
+
+def _unit_coefs(p: Problem, coefs: GradCoefs) -> tuple[GradCoefs, Tensor]:
+    """(coefs / m, m): m the largest |coefficient| of dz's target and probability terms (an
+    fp32 device tensor of one element; 1 where all are 0 or one is not finite, so that a NaN
+    or inf still reaches the gradients).
+
+    The 16-bit D holds coefficient * dz rounded. The backward's coefficients carry the
+    per-row upstream gradient, typically one factor for all rows (1/n from a mean taken after
+    the loss, or over the vocab-parallel rows). Left in, every row's target entry (p_t - 1) * c
+    with p_t small is c's own rounding, the same relative error (up to 2^-9 in bf16) in every
+    row, and dX and dW inherit it row for row. Divided by m, equal coefficients are exactly 1
+    (x / x is exact), and m multiplies the fp32 gradients in their one rounding (NOTES.md #66)."""
+    tgt, smooth, prob, lse_sq = row_coefs(p, coefs)
+    if p.N == 0:
+        return GradCoefs(tgt, smooth, prob, lse_sq), torch.ones(1, device=p.device)
+    m = torch.maximum(tgt.abs().amax(), prob.abs().amax()).reshape(1)
+    m = torch.where(torch.isfinite(m) & (m > 0), m, 1.0)
+    return GradCoefs(tgt / m, smooth / m, prob / m, lse_sq / m), m
 
 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
