@@ -215,7 +215,8 @@ def linear_cross_entropy(
     autocast dtype; outside it, ``input``/``linear_weight``/``linear_bias`` must share a dtype.
 
     ``low_memory=True`` bounds the workspace to O(rows) beyond the gradient buffers at some
-    speed cost. ``return_stats=True`` returns :class:`LinearCrossEntropyStats` instead of the
+    speed cost; its gradients are computed in the backward from the saved log-sum-exp, so no
+    gradient-sized buffer is held from the forward to the backward. ``return_stats=True`` returns :class:`LinearCrossEntropyStats` instead of the
     loss. ``process_group`` selects the vocab-parallel mode (``fused_ce.distributed``).
 
     Out-of-range targets raise ``ValueError``; checking them reads one bool from the device
@@ -248,23 +249,24 @@ def linear_cross_entropy(
     valid = t != ignore_index
     acc = torch.promote_types(x.dtype, torch.float32)
     coefs, d_nll, divisor = _coefficients(t, valid, weight, vocab, reduction, label_smoothing,
-                                          z_loss, acc, mean_after=not low_memory)
+                                          z_loss, acc, mean_after=True)
     cw = None if weight is None else weight.to(acc)
     softcap = None if softcap is None else float(softcap)
     with_ws = label_smoothing > 0
     with ctx:
-        if reduction == "none":
+        if reduction == "none" or low_memory:
+            # (low_memory: the gradients computed in the backward, in the parameters' dtypes)
             rows, lse, argmax = ops.loss_rows(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
-            loss = rows.reshape(target.shape)
+            loss = rows.reshape(target.shape) if reduction == "none" else rows.sum()
         else:
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]
             loss, lse, argmax, *_ = ops.loss_sum(
-                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, low_memory,
+                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need,
                 scan=prepared_targets)
-            if reduction == "mean":  # torch: 0/0 = nan when no target is valid
-                loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+        if reduction == "mean":  # torch: 0/0 = nan when no target is valid
+            loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)

@@ -13,10 +13,11 @@ Two ops, chosen by how the upstream gradient is shaped:
   the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep), kept in their
   accumulation dtype (fp32 for 16-bit parameters), and in the backward multiplied by the actual
   scalar upstream gradient and rounded once into the parameters' dtypes: the same single
-  rounding as a loss whose upstream gradient is known. ``low_memory`` rounds them in the
-  forward instead (16-bit buffers; a non-unit upstream gradient then rounds them again).
-* ``fused_ce::linear_ce_rows`` -- ``loss_i`` per row (reduction 'none'). The backward recomputes
-  the logits with the saved lse and the coefficients scaled by the per-row upstream gradient.
+  rounding as a loss whose upstream gradient is known.
+* ``fused_ce::linear_ce_rows`` -- ``loss_i`` per row (reduction 'none', and every reduction
+  with ``low_memory``, whose gradient buffers are its parameters' dtypes: no fp32 copies held
+  from the forward to the backward). The backward recomputes the logits with the saved lse and
+  the coefficients scaled by the per-row upstream gradient, and rounds each gradient once.
 
 ``fused_ce::linear_log_softmax`` returns the log-probabilities themselves.
 """
@@ -69,18 +70,18 @@ def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
                   class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
                   coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
                   softcap: Optional[float], with_weighted_sum: bool, need_dx: bool, need_dw: bool,
-                  need_db: bool, low_memory: bool
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty, the
-    others for an upstream gradient of 1, in ``_forward_grad_dtypes``."""
+    others for an upstream gradient of 1, unrounded, in the accumulation dtype (fp32 for
+    16-bit parameters)."""
     return _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
                    coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw,
-                   need_db, low_memory)
+                   need_db)
 
 
 def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
             coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db,
-            low_memory, scan=None):
+            scan=None):
     """_linear_ce_sum, plus (eager route only) ``scan``: the backend's target scan made
     earlier (``api.prepare_targets``), used when this backend made it."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
@@ -92,18 +93,10 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         x, weight, bias, target, ignore_index, softcap, class_weight,
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
-        low_memory=low_memory, check_targets=True, round_grads=low_memory, **extra)
+        check_targets=True, round_grads=False, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
-    # (in _forward_grad_dtypes: round_grads=False gives them in the accumulation dtype)
     grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
-
-
-def _forward_grad_dtypes(x, weight, bias, low_memory: bool) -> tuple:
-    """The dtypes of linear_ce_sum's dx, dw, db: their parameters' with ``low_memory``, else
-    those of accumulation (unrounded until the backward)."""
-    dtypes = grad_dtypes(x, weight, bias)
-    return dtypes if low_memory else tuple(accumulation_dtype(d) for d in dtypes)
 
 
 linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())(_linear_ce_sum)
@@ -111,10 +104,10 @@ linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=
 
 @linear_ce_sum.register_fake
 def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob, coef_lse_sq,
-      ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db, low_memory):
+      ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db):
     acc = accumulation_dtype(x.dtype)
     n = x.shape[0]
-    gx, gw, gb = _forward_grad_dtypes(x, weight, bias, low_memory)
+    gx, gw, gb = (accumulation_dtype(d) for d in grad_dtypes(x, weight, bias))
     return (x.new_empty((), dtype=acc), x.new_empty(n, dtype=acc),
             x.new_empty(n, dtype=torch.long),
             x.new_empty(x.shape, dtype=gx) if need_dx else x.new_empty(0),
@@ -156,7 +149,7 @@ def _sum_backward(ctx, g_loss, *_):
     dx, dw, db = ctx.saved_tensors
     need = ctx.needs_input_grad
     if g_loss is None:  # (not materialized) the loss itself got no gradient
-        return (None,) * 16
+        return (None,) * 15
     wanted = [(g, dt) for g, dt, w in zip((dx, dw, db), ctx.grad_dtypes, need[:3]) if w]
     # each gradient times the scalar, in the wider precision of the two, rounded once
     if not wanted:
@@ -167,7 +160,7 @@ def _sum_backward(ctx, g_loss, *_):
         grads, dtypes = zip(*wanted)
         scaled = backend_for(grads[0]).scaled_grads(grads, dtypes, g_loss)
     it = iter(scaled)
-    return tuple(next(it) if w else None for w in need[:3]) + (None,) * 13
+    return tuple(next(it) if w else None for w in need[:3]) + (None,) * 12
 
 
 torch.library.register_autograd("fused_ce::linear_ce_sum", _sum_backward, setup_context=_sum_setup)

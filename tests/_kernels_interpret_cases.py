@@ -266,6 +266,39 @@ def test_backward_divides_coefficients_by_the_largest(monkeypatch):
         assert _rel(got, exp) <= 1.4 * _rel(exp.half(), exp)
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_sweep_backward_takes_the_largest_coefficient_as_alpha(monkeypatch, low_memory):
+    """The vocabulary sweeps' backward with cuBLAS products (CPU GEMMs here): the coefficients
+    divided by their largest magnitude m, read to the host with the valid count, and m as the
+    products' alpha and db's factor (kernels._unit_coefs, gradients.gradients). One
+    coefficient k per valid row: the sweeps get exactly 1 there and alpha k; dX, dW, db as the
+    fp64 oracle's."""
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+    monkeypatch.setattr(config, "CHUNK_OVERRIDE", {"vc": 32, "row_block": 16, "row_vc": 64})
+    seen = []
+    real = kernels.gradients
+    monkeypatch.setattr(kernels, "gradients",
+                        lambda p, lse, co, **kw: seen.append((co, kw["alpha"], p.n_valid_host))
+                        or real(p, lse, co, **kw))
+    g = _gen()
+    x, w, b, t, _ = _inputs(45, 70, 101, torch.float32, out_of_shard=False, g=g)
+    valid = (t != IGNORE).float()
+    k = float(torch.rand((), generator=g)) / 45 + 1e-3
+    zero = torch.zeros(45)
+    co = GradCoefs(valid * k, zero, valid * k, zero)
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None).lse
+    ours = kernels.backward(x, w, b, t, IGNORE, None, None, lse.float(), co, need_dx=True,
+                            need_dw=True, need_db=True, low_memory=low_memory)
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
+                             GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
+    (unit, alpha, n_valid), = seen
+    assert torch.equal(unit.target, valid) and torch.equal(unit.prob, valid)
+    assert alpha == torch.tensor(k, dtype=torch.float32).item()
+    assert n_valid == int(valid.sum())
+    _check_grads(dict(zip(("dx", "dw", "db"), ours)), dict(zip(("dx", "dw", "db"), ref)),
+                 x, w, b, 1e-5, (True, True, True))
+
+
 def test_low_memory_dx_blocks(monkeypatch):
     """The memory-minimal dX sweeps' layout (gradients._low_memory_dx_blocks): within the own
     budgets without dW's buffer (or with one no larger than both), else the fewest launches

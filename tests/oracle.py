@@ -76,31 +76,43 @@ def assert_prepared_targets_change_nothing(x, w, b, t):
 
 def assert_grads_rounded_once(backend, monkeypatch, x, w, b, t, k, low_memory=False):
     """``linear_cross_entropy(...) * k`` backpropagated: its gradients are bitwise what the
-    backend's forward computed for an upstream gradient of 1 (recorded as it returns them),
-    times k in fp32 and rounded once into the parameters' dtypes (ops.linear_ce_sum). Returns
-    the dtypes the backend gave them (16-bit: rounded in its forward; fp32: unrounded)."""
+    backend computed, with k applied before their one rounding. Without ``low_memory``: the
+    backend's forward computed them for an upstream gradient of 1 (recorded as it returns
+    them), and they are that times k / count ('mean' is the op's sum over the valid rows
+    divided by their count afterwards, api._coefficients) in fp32, rounded once into the
+    parameters' dtypes (ops.linear_ce_sum). With ``low_memory``: the backend's backward
+    computed them from coefficients that carry k / count on every valid row (0 elsewhere), and
+    they arrive as it returned them. Returns the dtypes the backend gave them (without
+    ``low_memory``: fp32, unrounded, for 16-bit parameters)."""
     import fused_ce
 
-    seen = []
-    forward = backend.forward
+    seen, seen_coefs = [], []
+    stage = "backward" if low_memory else "forward"
+    call = getattr(backend, stage)
 
     def recording(*args, **kwargs):
-        stats = forward(*args, **kwargs)
-        seen.append([None if g is None else g.clone() for g in (stats.dx, stats.dw, stats.db)])
-        return stats
+        out = call(*args, **kwargs)
+        grads = (out.dx, out.dw, out.db) if stage == "forward" else out
+        seen.append([None if g is None else g.clone() for g in grads])
+        if stage == "backward":
+            seen_coefs.append(args[8])  # (x, w, b, t, ignore_index, softcap, cw, lse, coefs)
+        return out
 
-    monkeypatch.setattr(backend, "forward", recording)
+    monkeypatch.setattr(backend, stage, recording)
     ps = [p.clone().requires_grad_() for p in (x, w, b)]
     loss = fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2],
                                          low_memory=low_memory)
     (loss * k).backward()
     assert len(seen) == 1
-    # 'mean' (without low_memory) is the op's sum over the valid rows divided by their count
-    # (api._coefficients): autograd hands the op k / count, which it multiplies in once
-    up = torch.tensor(k, dtype=torch.float32)
-    if not low_memory:
-        up = up / (t != -100).sum().to(torch.float32)
-    for p, g in zip(ps, seen[0]):
-        want = (g.to(torch.promote_types(g.dtype, torch.float32)) * up).to(p.dtype)
-        assert p.grad.dtype == p.dtype and torch.equal(p.grad, want)
+    valid = t != -100
+    up = torch.tensor(k, dtype=torch.float32) / valid.sum().to(torch.float32)
+    if low_memory:
+        want = torch.where(valid, up, 0.0)
+        assert torch.equal(seen_coefs[0].target.float(), want)
+        for p, g in zip(ps, seen[0]):
+            assert p.grad.dtype == p.dtype and torch.equal(p.grad, g)
+    else:
+        for p, g in zip(ps, seen[0]):
+            want = (g.to(torch.promote_types(g.dtype, torch.float32)) * up).to(p.dtype)
+            assert p.grad.dtype == p.dtype and torch.equal(p.grad, want)
     return [g.dtype for g in seen[0]]

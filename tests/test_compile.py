@@ -53,7 +53,7 @@ def test_opcheck_custom_ops():
     x, w, b, t, coefs = _op_args()
     torch.library.opcheck(ops.linear_ce_rows, (x, w, b, t, None, *coefs, -100, 5.0, True, False))
     torch.library.opcheck(ops.linear_ce_sum,
-                          (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False))
+                          (x, w, b, t, None, *coefs, -100, None, False, True, True, True))
     torch.library.opcheck(ops.linear_log_softmax, (x, w, b))
 
 
@@ -78,7 +78,7 @@ def test_eager_route_equals_custom_op(rows):
             out = (ops.loss_rows if route == "eager" else ops.linear_ce_rows)(*args)
             (out[0] * g_rows).sum().backward()
         else:
-            args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False)
+            args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True)
             out = (ops.loss_sum if route == "eager" else ops.linear_ce_sum)(*args)
             (out[0] * 0.7).backward()
         assert ("Linear" in type(out[0].grad_fn).__name__) == (route == "eager")
@@ -89,7 +89,7 @@ def test_eager_route_equals_custom_op(rows):
 
 def test_eager_route_refuses_double_and_second_backward():
     x, w, b, t, coefs = _op_args()
-    args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True, False)
+    args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True)
     loss = ops.loss_sum(*args)[0]
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(loss, x, create_graph=True)

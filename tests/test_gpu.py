@@ -307,21 +307,23 @@ def test_nonfinite_propagates(bad, path):
     assert not torch.isfinite(out.dx[7]).all()
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("route", ["mean", "none", "low_memory"])
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
-def test_public_api_bf16_vs_fp32(upstream, reduction):
+def test_public_api_bf16_vs_fp32(upstream, route):
     """The public loss on CUDA routes to these kernels and meets the accuracy targets, also
     with an upstream gradient that is not 1 (scaled in the backward, kernels/scale.py). 614
     valid rows: 1/614 is 2.2e-3 from its nearest bf16, the relative error a 'mean' folded into
     the coefficients gave every row's target entry of D (dX 2.6-2.7e-3, NOTES.md #64); 'none'
-    with the mean taken afterwards hands the backward 1/614 per row (NOTES.md #66)."""
+    with the mean taken afterwards, and low_memory, hand the backward 1/614 per row (NOTES.md
+    #66, #67; low_memory rounded in the forward and again by g before: 3.2e-3 at g = 0.37)."""
     import fused_ce
     x, w, b, t = _inputs(4096, 1024, 30522, torch.bfloat16, ignored=0.0)
     t[torch.randperm(4096, device="cuda")[614:]] = -100
     for p in (x, w, b):
         p.requires_grad_()
-    if reduction == "mean":
-        loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
+    if route != "none":
+        loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b,
+                                             low_memory=route == "low_memory")
     else:
         loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none").sum() / 614
     (loss * upstream).backward()
@@ -329,10 +331,9 @@ def test_public_api_bf16_vs_fp32(upstream, reduction):
     ref = F.cross_entropy(F.linear(xf, wf, bf), t)
     (ref * upstream).backward()
     assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
-    xe, we, be = (p.detach().requires_grad_() for p in (x, w, b))
-    (F.cross_entropy(F.linear(xe, we, be), t) * upstream).backward()
-    for p, q, e in ((x, xf, xe), (w, wf, we), (b, bf, be)):
-        assert _rel(p.grad, q.grad) <= max(GRAD_TOL, 1.25 * _rel(e.grad, q.grad))
+    # (the target itself: eager with fp32 logits gets 2.8e-3 here at g = 1, H100 NOTES.md #66)
+    for p, q in ((x, xf), (w, wf), (b, bf)):
+        assert _rel(p.grad, q.grad) <= GRAD_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

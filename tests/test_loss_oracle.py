@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import fused_ce
-from fused_ce import reference
+from fused_ce import ops, reference
 from tests.oracle import assert_close, assert_grads_rounded_once, cross_entropy64, rel_err
 
 
@@ -322,8 +322,9 @@ def test_upstream_gradient_scales_and_repeated_backward_of_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_gradients_are_rounded_once_for_any_upstream_gradient(monkeypatch, dtype, low_memory):
-    """With a non-unit upstream gradient the gradients computed in the forward are scaled and
-    rounded once in the backward: kept unrounded (fp32) until then, unless ``low_memory``."""
+    """With a non-unit upstream gradient the gradients are rounded once: computed in the
+    forward and kept unrounded (fp32) until the backward scales them, or with ``low_memory``
+    computed in the backward with the upstream gradient in their coefficients."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     x = torch.randn(37, 70, generator=gen).to(dtype)
     w = (torch.randn(89, 70, generator=gen) / 8).to(dtype)
@@ -420,22 +421,23 @@ def test_confident_targets_keep_their_digits(reduction):
 @pytest.mark.parametrize("class_weights, z_loss, low_memory, summed",
                          [(False, 0.0, False, True), (False, 1e-3, False, True),
                           (True, 0.0, False, True), (True, 1e-3, False, False),
-                          (False, 0.0, True, False)])
+                          (False, 0.0, True, True), (True, 1e-3, True, False)])
 def test_mean_is_the_sum_divided_after_the_op(monkeypatch, class_weights, z_loss, low_memory,
                                               summed):
-    """'mean' hands the op the coefficients of 'sum' (1 per valid row, not 1/n) and divides its
-    loss afterwards, where one denominator serves the nll and the z-loss, and not with
-    ``low_memory`` (which rounds its gradients in the forward); loss and gradients match fp64."""
+    """'mean' hands the op (the sum's, or with ``low_memory`` the rows') the coefficients of
+    'sum' (1 per valid row, not 1/n) and divides its loss afterwards, where one denominator
+    serves the nll and the z-loss (not with class weights and a z-loss); loss and gradients
+    match fp64."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     x = torch.randn(41, 24, generator=gen, dtype=torch.float64)
     w = torch.randn(53, 24, generator=gen, dtype=torch.float64) / 4
     t = torch.randint(0, 53, (41,), generator=gen)
     t[::3] = -100
     cw = torch.rand(53, generator=gen, dtype=torch.float64) + 0.5 if class_weights else None
-    seen = []
-    forward = reference.forward
-    monkeypatch.setattr(reference, "forward",
-                        lambda *a, **k: seen.append(k["coefs"]) or forward(*a, **k))
+    seen = []  # the coefficients handed to the op: its arguments 5 to 8
+    for name in ("loss_sum", "loss_rows"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, op=op, **k: seen.append(a[5:9]) or op(*a, **k))
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = fused_ce.linear_cross_entropy(xs, ws, t, weight=cw, z_loss=z_loss,
                                          label_smoothing=0.1, low_memory=low_memory)
@@ -443,7 +445,7 @@ def test_mean_is_the_sum_divided_after_the_op(monkeypatch, class_weights, z_loss
     valid = t != -100
     w_t = cw[t.clamp(min=0)] if class_weights else torch.ones(41, dtype=torch.float64)
     want = 0.9 * w_t * valid if summed else 0.9 * w_t * valid / (w_t * valid).sum()
-    assert torch.allclose(seen[0].target, want, rtol=1e-12, atol=0)
+    assert len(seen) == 1 and torch.allclose(seen[0][0], want, rtol=1e-12, atol=0)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     z = xr @ wr.t()
     ref = F.cross_entropy(z, t, weight=cw, label_smoothing=0.1)

@@ -1,9 +1,10 @@
 """bf16 gradients' error against fp64 where the loss's coefficients share a factor (NOTES.md
 #64, #66): 4096 x 1024 x 30522 with exactly 614 valid rows (1/614 is 2.2e-3 from its nearest
 bf16), upstream g. Prints dX, dW, db relative (norm) errors of: 'mean'; 'none' with the mean
-taken afterwards (the backward's per-row upstream gradient g/614), with the backward's
+taken afterwards (the backward's per-row upstream gradient g/614) and 'mean' with low_memory
+(its gradients computed in the backward, from the same g/614), each with the backward's
 coefficients divided by their largest (kernels._unit_coefs) and, for comparison, left as they
-come; 'mean' with low_memory (which keeps 1/614 in its coefficients); eager with fp32 logits.
+come ("as given"); eager with fp32 logits.
 
     python tools/probe_unit_coefs.py [--ups 1,0.37] [--seeds 0,1]
 """
@@ -41,10 +42,11 @@ def main():
     methods = {
         "mean": lambda x, w, b, t: lce(x, w, t, linear_bias=b),
         "none/614": lambda x, w, b, t: lce(x, w, t, linear_bias=b, reduction="none").sum() / n_valid,
-        "none/614 as given": None,  # the same with kernels._unit_coefs switched off
-        "mean low_memory": lambda x, w, b, t: lce(x, w, t, linear_bias=b, low_memory=True),
+        "low_memory": lambda x, w, b, t: lce(x, w, t, linear_bias=b, low_memory=True),
         "eager fp32 logits": lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b).float(), t),
     }
+    # the backward routes again with kernels._unit_coefs switched off
+    methods.update({f"{k} as given": fn for k, fn in list(methods.items())[1:3]})
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for seed in map(int, args.seeds.split(",")):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -58,7 +60,7 @@ def main():
                         [p.double() for p in (x, w, b)], t, up)
             for name, fn in methods.items():
                 kernels._unit_coefs = as_given if name.endswith("as given") else unit
-                got = grads(fn or methods["none/614"], (x, w, b), t, up)
+                got = grads(fn, (x, w, b), t, up)
                 errs = " ".join(f"{k}={rel(a, e):.3e}" for k, a, e in zip(("dx", "dw", "db"), got, exp))
                 print(f"seed {seed} g {up:<5} {name:20s} {errs}")
     kernels._unit_coefs = unit

@@ -158,8 +158,14 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                   if g is not None]
         scaled = iter(scaled_grads(*zip(*wanted), largest) if wanted else ())
         return tuple(None if g is None else next(scaled) for g in grads)
+    alpha = 1.0
+    if p.N > 0 and library_products(p) and not _cannot_sync():
+        # the cuBLAS products multiply by the host's m (their alpha) as they accumulate in
+        # fp32; the read brings the valid count too, so that they skip the ignored rows
+        coefs, largest = _unit_coefs(p, coefs)
+        alpha = CountRead(p.counts, largest).wait(p, check_targets=False)
     grads = gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                      low_memory=low_memory)
+                      low_memory=low_memory, alpha=alpha)
     return reference.rounded_grads(grads, x, weight, bias)
 
 
@@ -173,7 +179,8 @@ def _unit_coefs(p: Problem, coefs: GradCoefs) -> tuple[GradCoefs, Tensor]:
     the loss, or over the vocab-parallel rows). Left in, every row's target entry (p_t - 1) * c
     with p_t small is c's own rounding, the same relative error (up to 2^-9 in bf16) in every
     row, and dX and dW inherit it row for row. Divided by m, equal coefficients are exactly 1
-    (x / x is exact), and m multiplies the fp32 gradients in their one rounding (NOTES.md #66)."""
+    (x / x is exact), and m multiplies the fp32 gradients before their one rounding (NOTES.md
+    #66)."""
     tgt, smooth, prob, lse_sq = row_coefs(p, coefs)
     if p.N == 0:
         return GradCoefs(tgt, smooth, prob, lse_sq), torch.ones(1, device=p.device)

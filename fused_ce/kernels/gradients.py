@@ -119,7 +119,8 @@ def _carve(scratch, shapes_dtypes):
 
 
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
-           library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False):
+           library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False,
+           alpha: float = 1.0):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
 
     ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
@@ -132,7 +133,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     before this sweep ends (the memory-minimal dX sweeps get dW's, which the dW sweep then
     overwrites whole); D and dX's fp32 accumulator go there when they fit. ``dw_tail`` (a dW
     sweep without dX): a chunk's D and fp32 dW go in dW's rows past the chunk, which later
-    chunks overwrite, as wide as they fit there while that is wider than vc (_tail_widths)."""
+    chunks overwrite, as wide as they fit there while that is wider than vc (_tail_widths).
+    ``alpha``: the factor of the cuBLAS products (``gradients``)."""
     lg = p.cfg["logits"]
     store_d = dx is not None or dw is not None
     d_rows = p.N if by_row else rows
@@ -209,12 +211,12 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             dc = d[:, :width]
             if dw is not None:  # one product over every row: dW rounded once (if at all)
                 if dw32 is None:
-                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width])
+                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width], alpha=alpha)
                 else:
-                    gemm_f32(dc.t(), x_rows, dw32)
+                    gemm_f32(dc.t(), x_rows, dw32, alpha=alpha)
                     dw[v0:v0 + width].copy_(dw32)
             if dx is not None:
-                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+                gemm_f32(dc, p.weight[v0:v0 + width], acc, alpha=alpha, accumulate=v0 > 0)
         else:
             _triton_products(p, d, ldd, scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
@@ -322,10 +324,12 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
-              need_db: bool, low_memory: bool, round_grads: bool = True):
+              need_db: bool, low_memory: bool, round_grads: bool = True, alpha: float = 1.0):
     """(dx, dw, db) in the input dtypes, or without ``round_grads`` in fp32, unrounded (None
     where not asked for); ignored rows get zeros. The products accumulate in fp32 either way:
-    the outputs' dtype only decides whether their final stores round.
+    the outputs' dtype only decides whether their final stores round. ``alpha`` (cuBLAS
+    products only): the gradients of ``alpha`` times the coefficients, the factor applied by
+    the products and to db before any rounding (kernels._unit_coefs).
 
     The sweeps cover the first ``p.n_valid_host`` compacted rows when the caller read that
     count (the forward, whose target check syncs anyway), else all N positions (the kernels
@@ -342,6 +346,7 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     block_n = p.cfg["logits"]["BLOCK_N"]
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
+    assert lib or alpha == 1.0, "alpha is applied by the cuBLAS products only"
     known = p.n_valid_host is not None
     n_rows = p.n_valid_host if known else p.N
     if n_rows > 0 and (need_dx or need_dw or need_db):
@@ -349,7 +354,7 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
             vc = ov.get("vc") or _fit(config.D_BYTES // elt, n_rows, block_n,
                                       _dw32_cap(p, lib and need_dw, config.D_BYTES))
             _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
-                   by_row=lib and need_dw and not known)
+                   by_row=lib and need_dw and not known, alpha=alpha)
         else:
             if need_dx:
                 scratch = dw  # (None without dW; else written whole by the dW sweep below)
@@ -358,16 +363,18 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                 rb, rvc = ov.get("row_block") or rb, ov.get("row_vc") or rvc
                 for p0 in range(0, n_rows, rb):
                     _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
-                           library=lib, scratch=scratch)
+                           library=lib, scratch=scratch, alpha=alpha)
             if need_dw or need_db:
                 by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
                 _sweep(p, lse, cf, scale, 0, rows, ov.get("vc") or vc, dw=dw, db=db32,
-                       library=lib, by_row=by_row, dw_tail=dw is not None)
+                       library=lib, by_row=by_row, dw_tail=dw is not None, alpha=alpha)
     else:
         if dw is not None:
             dw.zero_()
         if db32 is not None:
             db32.zero_()
+    if db32 is not None and alpha != 1.0:
+        db32.mul_(alpha)
     db = db32
     if db32 is not None and round_grads:
         db = db32.to(p.bias.dtype if p.bias is not None else p.weight.dtype)
