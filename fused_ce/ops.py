@@ -202,10 +202,15 @@ def linear_ce_rows_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], t
                             need_dx: bool, need_dw: bool, need_db: bool, low_memory: bool
                             ) -> tuple[Tensor, Tensor, Tensor]:
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
+    # lse_is_local lets the PyTorch path take the probabilities from the recomputed logits' own
+    # max + log-sum (the digits an fp32 lse drops at large logits): free with whole rows, one
+    # more pass over the logits with low_memory's vocabulary tiles (CPU, BERT's head: 2.4 vs
+    # 0.8 s), whose probabilities then come from the saved lse (gradients 9e-7 instead of 5e-7
+    # from fp64 at logits of ~40, NOTES.md #67)
     grads = backend_for(x).backward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                     lse, coefs, need_dx=need_dx, need_dw=need_dw,
                                     need_db=need_db and bias is not None, low_memory=low_memory,
-                                    lse_is_local=True)
+                                    lse_is_local=not low_memory)
     return tuple(g if g is not None else _empty(x) for g in grads)
 
 
