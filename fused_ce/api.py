@@ -121,8 +121,7 @@ def _cast_for_autocast(tensors, device_type):
 
 
 def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor], vocab: int,
-                  reduction: str, label_smoothing: float, z_loss: float, acc: torch.dtype,
-                  mean_after: bool = False):
+                  reduction: str, label_smoothing: float, z_loss: float, acc: torch.dtype):
     """Per-row coefficients of ``loss_i`` (see ``fused_ce.ops``) reproducing
     ``F.cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing)``.
 
@@ -135,38 +134,30 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
     'mean' divides both parts by ``sum_valid w[t_i]`` (the number of valid rows without class
     weights). The z-loss ``z_loss * lse_i**2`` is averaged over valid rows, unweighted.
 
-    Returns (coefficients, the 'mean' denominator of the nll part, the divisor the caller
-    applies to the summed loss: 1, or with ``mean_after`` that denominator where it is the
-    only one). ``mean_after`` leaves 'mean' to that division (autograd then passes the upstream
-    gradient over it to the op's one rounding) where both parts share the denominator (no
-    class weights, or no z-loss): the coefficients stay 'sum''s, e.g. 1 and not 1/n, so that
-    a 16-bit D's target entries (p - 1) * coefficient are not all rounded by the same relative
-    error of 1/n, an error that dX and dW would inherit row for row (up to 2^-9: dX 2.7e-3
-    instead of 1.7e-3 against fp64 at n = 614, NOTES.md #64).
+    Returns (coefficients, the 'mean' denominator d of the nll part, the divisor the caller
+    applies to the op's summed loss: d for 'mean' (1 where d is 0), else 1). 'mean' is left to
+    that division (autograd then passes the upstream gradient over it to the op's one
+    rounding): the coefficients are 'sum''s, 1 (or w[t_i]) and not 1/n, and the z-loss's is
+    multiplied by d, so that a 16-bit D's target entries (p - 1) * coefficient are not all
+    rounded by the same relative error of 1/n, an error that dX and dW would inherit row for
+    row (up to 2^-9: dX 2.7e-3 instead of 1.7e-3 against fp64 at n = 614, NOTES.md #64).
     """
     valid_f = valid.to(acc)
     w_t = valid_f if class_weight is None else class_weight.to(acc)[target.clamp(0, vocab - 1)] * valid_f
     w_sum = float(vocab) if class_weight is None else class_weight.to(acc).sum()
     one = torch.ones((), dtype=acc, device=target.device)
-    divisor = one
+    d_nll = divisor = d_z = one
     if reduction == "mean":
+        # (0 valid rows: a divisor of 1 keeps the zero gradients; the caller adds the nan)
         d_nll = w_t.sum()
-        d_z = valid_f.sum() if z_loss else None
-        if mean_after and (class_weight is None or not z_loss):
-            # (0 valid rows: a divisor of 1 keeps the zero gradients; the loss's nan is added)
-            divisor = torch.where(d_nll == 0, one, d_nll)
-            d_nll_coef = d_z = one
-        else:
-            d_nll_coef = d_nll
-    else:
-        d_nll = d_nll_coef = d_z = one
-    # torch.where keeps 0/0 (nothing valid) out of rows that are ignored anyway. A term that is
-    # off (no smoothing, no z-loss) gets exact zeros without the arithmetic.
-    a = torch.where(valid, ((1 - label_smoothing) * w_t if label_smoothing else w_t) / d_nll_coef,
-                    0)
+        divisor = torch.where(d_nll == 0, one, d_nll)
+        if z_loss:  # its mean over the valid rows, times the divisor the loss then gets
+            d_z = valid_f.sum() / divisor
+    # w_t is 0 on ignored rows; a term that is off (no smoothing, no z-loss) gets exact zeros
+    # without the arithmetic
+    a = (1 - label_smoothing) * w_t if label_smoothing else w_t
     zeros = None if label_smoothing and z_loss else torch.zeros_like(a)
-    c = (torch.where(valid, (label_smoothing / vocab) / d_nll_coef, 0) if label_smoothing
-         else zeros)
+    c = torch.where(valid, one * (label_smoothing / vocab), 0) if label_smoothing else zeros
     e = torch.where(valid, z_loss / d_z, 0) if z_loss else zeros
     coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum if label_smoothing else a, lse_sq=e)
     return coefs, d_nll, divisor
@@ -216,8 +207,9 @@ def linear_cross_entropy(
 
     ``low_memory=True`` bounds the workspace to O(rows) beyond the gradient buffers at some
     speed cost; its gradients are computed in the backward from the saved log-sum-exp, so no
-    gradient-sized buffer is held from the forward to the backward. ``return_stats=True`` returns :class:`LinearCrossEntropyStats` instead of the
-    loss. ``process_group`` selects the vocab-parallel mode (``fused_ce.distributed``).
+    gradient-sized buffer is held from the forward to the backward. ``return_stats=True``
+    returns :class:`LinearCrossEntropyStats` instead of the loss. ``process_group`` selects
+    the vocab-parallel mode (``fused_ce.distributed``).
 
     Out-of-range targets raise ``ValueError``; checking them reads one bool from the device
     (asynchronous device assert while a CUDA graph is captured or torch.compile traces).
@@ -249,7 +241,7 @@ def linear_cross_entropy(
     valid = t != ignore_index
     acc = torch.promote_types(x.dtype, torch.float32)
     coefs, d_nll, divisor = _coefficients(t, valid, weight, vocab, reduction, label_smoothing,
-                                          z_loss, acc, mean_after=True)
+                                          z_loss, acc)
     cw = None if weight is None else weight.to(acc)
     softcap = None if softcap is None else float(softcap)
     with_ws = label_smoothing > 0

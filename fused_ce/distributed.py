@@ -441,8 +441,8 @@ def vocab_parallel_cross_entropy(
     t = target.reshape(-1).long()
     valid = t != ignore_index
     acc = accumulation_dtype(x.dtype)
-    coefs, d_nll, _ = _coefficients(t, valid, weight, vocab, reduction, label_smoothing, z_loss,
-                                    acc)
+    coefs, d_nll, divisor = _coefficients(t, valid, weight, vocab, reduction, label_smoothing,
+                                          z_loss, acc)
     in_shard = valid & (t >= offset) & (t < offset + v_local)
     t_loc = torch.where(in_shard, t - offset,
                         torch.where(valid, _NOT_HERE, _LOCAL_IGNORE)).contiguous()
@@ -458,7 +458,7 @@ def vocab_parallel_cross_entropy(
     else:
         loss = rows.sum()
         if reduction == "mean":  # torch: 0/0 = nan when no target is valid
-            loss = loss + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+            loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
     if not return_stats:
         return loss
-    return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss)
+    return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
