@@ -377,8 +377,8 @@ def test_scaled_grads_round_once_bf16():
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_gradients_rounded_once_bf16(path, low_memory, monkeypatch):
     """A non-unit upstream gradient on the GPU paths (bf16, the dtype the interpreter cannot
-    round): the gradients are the forward's times it, rounded once; unrounded (fp32) from the
-    forward unless low_memory."""
+    round): the gradients are the forward's (fp32, unrounded) times it, rounded once; with
+    low_memory the backward's, computed with it in their coefficients (tests/oracle.py)."""
     from tests.oracle import assert_grads_rounded_once
     x, w, b, t = _inputs(3001, 1030, 5003, torch.bfloat16, ignored=0.5)
     dtypes = assert_grads_rounded_once(kernels, monkeypatch, x, w, b, t, 0.37, low_memory)
