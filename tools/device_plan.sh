@@ -3,8 +3,7 @@
 # log-softmax, evaluation) with its peers in one call; PART=bert / PART=large its halves; PART=all
 # the GPU tests and the table without eager at the BERT shapes, shorter; PART=short what ~450 s
 # allow (an H200's table, else the tests and one A/B); PART=fit ~500 s (the tests first,
-# then as short); PART=verify as fit, on an H100 the stages per regime against 3;
-# PART=mini ~190 s of it; PART=exp
+# then as short); PART=mini ~190 s of it; PART=exp
 # the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,9 +23,10 @@ h200_rows() { STEPS=bench BENCH_TIMEOUT=$1 BENCH_SHAPES=bert8k,mlm,bert16k,logso
     BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh
   STEPS=large LARGE_TIMEOUT=$2 LARGE_SHAPES=$3 LARGE_METHODS=fused_ce,compile,liger,floor \
     bash tools/gpu_steps.sh; }
-# the statistics pass with 4 pipeline stages against the default, $1 rounds
+# the statistics pass's stages per regime (the default: 4 at BERT's head, 3 at wide ones, NOTES.md
+# #65) against 3 everywhere, $1 rounds
 stats_stages_ab() { STEPS=tiles_cfg TILES_ROUNDS=$1 TILES_SHAPES=bert16k_eval,llama3_eval \
-    TILES_CFGS='{};{"stats_stages": 4}' bash tools/gpu_steps.sh; }
+    TILES_CFGS='{};{"stats_stages": 3}' bash tools/gpu_steps.sh; }
 case ${PART:-table} in
 table) bert 290; large 270 ;;
 all) tests; bert 230 ""; large 200 600 ;;
@@ -46,12 +46,6 @@ mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
       STEPS=large LARGE_TIMEOUT=60 LARGE_SHAPES=llama3 LARGE_METHODS=fused_ce,compile,floor \
         bash tools/gpu_steps.sh ;;
     *) tests ;;
-    esac ;;
-verify) case "$gpu" in  # ~500 s: the GPU tests, then the H200's rows or (H100) the
-    # statistics pass's stages per regime against 3 everywhere
-    *H200*) tests; h200_rows 170 150 llama3,gemma2 ;;
-    *) tests; STEPS=tiles_cfg TILES_ROUNDS=2 TILES_SHAPES=bert16k_eval,llama3_eval \
-        TILES_CFGS='{};{"stats_stages": 3}' bash tools/gpu_steps.sh ;;
     esac ;;
 exp) tests; stats_stages_ab 1
     STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=llama3,gemma2 TILES_CFGS='{};{"overlap": true}' \

@@ -17,16 +17,7 @@ import torch.nn.functional as F
 import fused_ce
 from fused_ce import kernels
 from fused_ce.reference import GradCoefs
-
-
-def rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
-
-
-def grads(loss_fn, params, t, up):
-    ps = [p.detach().clone().requires_grad_() for p in params]
-    (loss_fn(*ps, t) * up).backward()
-    return [p.grad for p in ps]
+from probe_upstream import grads, inputs, rel  # (tools/, the script's own folder)
 
 
 def main():
@@ -49,18 +40,15 @@ def main():
     methods.update({f"{k} as given": fn for k, fn in list(methods.items())[1:3]})
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for seed in map(int, args.seeds.split(",")):
+        x, w, b, t = inputs(n, h, v, 0.0, seed)
         g = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.5).bfloat16()
-        b = torch.randn(v, device="cuda", generator=g).bfloat16()
-        t = torch.randint(0, v, (n,), device="cuda", generator=g)
         t[torch.randperm(n, device="cuda", generator=g)[n_valid:]] = -100
         for up in map(float, args.ups.split(",")):
             exp = grads(lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t),
-                        [p.double() for p in (x, w, b)], t, up)
+                        x, w, b, t, up, torch.float64)
             for name, fn in methods.items():
                 kernels._unit_coefs = as_given if name.endswith("as given") else unit
-                got = grads(fn, (x, w, b), t, up)
+                got = grads(fn, x, w, b, t, up)
                 errs = " ".join(f"{k}={rel(a, e):.3e}" for k, a, e in zip(("dx", "dw", "db"), got, exp))
                 print(f"seed {seed} g {up:<5} {name:20s} {errs}")
     kernels._unit_coefs = unit
