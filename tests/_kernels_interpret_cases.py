@@ -233,21 +233,28 @@ def test_backward_given_lse(dtype, low_memory, bias, softcap, class_weight, smal
                  x, w, like_b, TOL[dtype]["grads"], (True, True, True))
 
 
-def test_backward_divides_coefficients_by_the_largest(monkeypatch):
-    """The row-chunk backward hands its pass the coefficients divided by their largest
-    magnitude and multiplies that back into the fp32 gradients as it rounds them
-    (kernels._unit_coefs). With one coefficient k on every valid row (an upstream gradient k
-    per row, as a mean taken after reduction='none' gives) D then holds dz, not k * dz rounded:
-    k here is 2^-9 (1 + 0.96 * 2^-11), nearly halfway between two fp16 numbers, and with the
-    logits spread so that p_t is small, every row's target entry (p_t - 1) k would carry k's
-    rounding, a relative ~2^-11 in every row. dX, dW, db then within 1.4x of fp64's gradients
-    rounded once to fp16 (~1.15x; with k left in D ~1.95x). Ignored rows and out-of-shard
-    targets, H and V not multiples of the tiles."""
-    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+@pytest.mark.parametrize("path", ["row_chunks", "sweeps", "sweeps_low_memory"])
+def test_backward_divides_coefficients_by_the_largest(monkeypatch, path):
+    """The backward hands its pass the coefficients divided by their largest magnitude m and
+    multiplies m back into the fp32 gradients as it rounds them (kernels._unit_coefs): on the
+    row-chunk path in the backward's scaling, on the sweeps' fp16 (Triton) products by dividing
+    their sums by D's scale over m. With one coefficient k on every valid row (an upstream
+    gradient k per row, as a mean taken after reduction='none' gives) D then holds dz, not
+    k * dz rounded: k here is 2^-9 (1 + 0.96 * 2^-11), nearly halfway between two fp16
+    numbers, and with the logits spread so that p_t is small, every row's target entry
+    (p_t - 1) k would carry k's rounding, a relative ~2^-11 in every row. dX, dW, db then within
+    1.4x of fp64's gradients rounded once to fp16 (~1.15x; with k left in D ~1.95x). Ignored
+    rows and out-of-shard targets, H and V not multiples of the tiles."""
     seen = []
-    real = row_chunks.forward_with_grads
-    monkeypatch.setattr(row_chunks, "forward_with_grads",
-                        lambda p, cf, *a, **kw: seen.append(cf) or real(p, cf, *a, **kw))
+    if path == "row_chunks":
+        monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+        real = row_chunks.forward_with_grads
+        monkeypatch.setattr(row_chunks, "forward_with_grads",
+                            lambda p, cf, *a, **kw: seen.append(cf) or real(p, cf, *a, **kw))
+    else:
+        real_g = kernels.gradients
+        monkeypatch.setattr(kernels, "gradients",
+                            lambda p, lse, co, **kw: seen.append(co) or real_g(p, lse, co, **kw))
     g = _gen()
     x, w, b, t, _ = _inputs(97, 72, 203, torch.float16, ignored=0.2, g=g)
     w = (w.float() * 72 ** 0.5 / 2).half()  # logits of spread ~4: most p_t far below 1
@@ -257,7 +264,7 @@ def test_backward_divides_coefficients_by_the_largest(monkeypatch):
     co = GradCoefs(valid * k, zero, valid * k, zero)
     lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None).lse
     ours = kernels.backward(x, w, b, t, IGNORE, None, None, lse.float(), co, need_dx=True,
-                            need_dw=True, need_db=True)
+                            need_dw=True, need_db=True, low_memory=path == "sweeps_low_memory")
     ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
                              GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
     assert len(seen) == 1 and torch.equal(seen[0][0], valid) and torch.equal(seen[0][2], valid)
@@ -267,18 +274,22 @@ def test_backward_divides_coefficients_by_the_largest(monkeypatch):
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
-def test_sweep_backward_takes_the_largest_coefficient_as_alpha(monkeypatch, low_memory):
+@pytest.mark.parametrize("can_sync", [True, False])
+def test_sweep_backward_multiplies_the_largest_coefficient_back(monkeypatch, low_memory,
+                                                                  can_sync):
     """The vocabulary sweeps' backward with cuBLAS products (CPU GEMMs here): the coefficients
-    divided by their largest magnitude m, read to the host with the valid count, and m as the
-    products' alpha and db's factor (kernels._unit_coefs, gradients.gradients). One
-    coefficient k per valid row: the sweeps get exactly 1 there and alpha k; dX, dW, db as the
-    fp64 oracle's."""
+    divided by their largest magnitude m, and m, a device tensor, multiplied into dX, dW and db
+    as they are finished (kernels._unit_coefs, gradients.gradients), also where nothing may
+    wait on the host (CUDA-graph capture, here ``_cannot_sync`` patched): the valid count is
+    then not read and the products span every row. One coefficient k per valid row: the
+    sweeps get exactly 1 there and m = k; dX, dW, db as the fp64 oracle's."""
     monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
     monkeypatch.setattr(config, "CHUNK_OVERRIDE", {"vc": 32, "row_block": 16, "row_vc": 64})
+    monkeypatch.setattr(kernels, "_cannot_sync", lambda: not can_sync)
     seen = []
     real = kernels.gradients
     monkeypatch.setattr(kernels, "gradients",
-                        lambda p, lse, co, **kw: seen.append((co, kw["alpha"], p.n_valid_host))
+                        lambda p, lse, co, **kw: seen.append((co, kw["factor"], p.n_valid_host))
                         or real(p, lse, co, **kw))
     g = _gen()
     x, w, b, t, _ = _inputs(45, 70, 101, torch.float32, out_of_shard=False, g=g)
@@ -291,10 +302,10 @@ def test_sweep_backward_takes_the_largest_coefficient_as_alpha(monkeypatch, low_
                             need_dw=True, need_db=True, low_memory=low_memory)
     ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
                              GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
-    (unit, alpha, n_valid), = seen
+    (unit, factor, n_valid), = seen
     assert torch.equal(unit.target, valid) and torch.equal(unit.prob, valid)
-    assert alpha == torch.tensor(k, dtype=torch.float32).item()
-    assert n_valid == int(valid.sum())
+    assert torch.equal(factor, torch.tensor([k], dtype=torch.float32))
+    assert n_valid == (int(valid.sum()) if can_sync else None)
     _check_grads(dict(zip(("dx", "dw", "db"), ours)), dict(zip(("dx", "dw", "db"), ref)),
                  x, w, b, 1e-5, (True, True, True))
 

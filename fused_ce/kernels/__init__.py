@@ -151,21 +151,19 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                                   lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                                   low_memory=low_memory, lse_is_local=lse_is_local)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
+    unit, largest = _unit_coefs(p, coefs)
     if row_chunks.applicable(p, low_memory):
-        unit, largest = _unit_coefs(p, coefs)
         _, grads = _row_chunks(p, unit, False, need_dx, need_dw, need_db, lse_in=lse)
         wanted = [(g, dt) for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias))
                   if g is not None]
         scaled = iter(scaled_grads(*zip(*wanted), largest) if wanted else ())
         return tuple(None if g is None else next(scaled) for g in grads)
-    alpha = 1.0
     if p.N > 0 and library_products(p) and not _cannot_sync():
-        # the cuBLAS products multiply by the host's m (their alpha) as they accumulate in
-        # fp32; the read brings the valid count too, so that they skip the ignored rows
-        coefs, largest = _unit_coefs(p, coefs)
-        alpha = CountRead(p.counts, largest).wait(p, check_targets=False)
-    grads = gradients(p, lse, coefs, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                      low_memory=low_memory, alpha=alpha)
+        # the cuBLAS products need host sizes: with the valid count read they skip the
+        # ignored rows (while a graph is captured they span every row)
+        CountRead(p.counts).wait(p, check_targets=False)
+    grads = gradients(p, lse, unit, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                      low_memory=low_memory, factor=largest)
     return reference.rounded_grads(grads, x, weight, bias)
 
 
@@ -180,7 +178,7 @@ def _unit_coefs(p: Problem, coefs: GradCoefs) -> tuple[GradCoefs, Tensor]:
     with p_t small is c's own rounding, the same relative error (up to 2^-9 in bf16) in every
     row, and dX and dW inherit it row for row. Divided by m, equal coefficients are exactly 1
     (x / x is exact), and m multiplies the fp32 gradients before their one rounding (NOTES.md
-    #66)."""
+    #66; on the device, so also where nothing may wait on the host, #70)."""
     tgt, smooth, prob, lse_sq = row_coefs(p, coefs)
     if p.N == 0:
         return GradCoefs(tgt, smooth, prob, lse_sq), torch.ones(1, device=p.device)

@@ -120,7 +120,7 @@ def _carve(scratch, shapes_dtypes):
 
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
            library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False,
-           alpha: float = 1.0):
+           factor=None):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
 
     ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
@@ -134,7 +134,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     overwrites whole); D and dX's fp32 accumulator go there when they fit. ``dw_tail`` (a dW
     sweep without dX): a chunk's D and fp32 dW go in dW's rows past the chunk, which later
     chunks overwrite, as wide as they fit there while that is wider than vc (_tail_widths).
-    ``alpha``: the factor of the cuBLAS products (``gradients``)."""
+    ``factor``: the device scalar that multiplies dX and dW as they are finished (``gradients``)."""
     lg = p.cfg["logits"]
     store_d = dx is not None or dw is not None
     d_rows = p.N if by_row else rows
@@ -191,6 +191,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     m_tiles = triton.cdiv(rows, lg["BLOCK_M"])
     db_flat = (torch.empty(m_tiles * _round_up(vc_max, 8), dtype=f32, device=p.device)
                if db is not None else None)
+    # the Triton products divide their sums by this: D's scale, over the factor
+    prod_scale = scale if library or factor is None else scale / factor
     v0, i = 0, 0
     while v0 < p.V:
         width = min(widths[i] if i < len(widths) else vc, p.V - v0)
@@ -211,24 +213,34 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             dc = d[:, :width]
             if dw is not None:  # one product over every row: dW rounded once (if at all)
                 if dw32 is None:
-                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width], alpha=alpha)
+                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width])
+                    _times(dw[v0:v0 + width], factor)
                 else:
-                    gemm_f32(dc.t(), x_rows, dw32, alpha=alpha)
-                    dw[v0:v0 + width].copy_(dw32)
+                    gemm_f32(dc.t(), x_rows, dw32)
+                    _times(dw32, factor, out=dw[v0:v0 + width])
             if dx is not None:
-                gemm_f32(dc, p.weight[v0:v0 + width], acc, alpha=alpha, accumulate=v0 > 0)
+                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
         else:
-            _triton_products(p, d, ldd, scale, p0, rows, v0, width, v0 + width >= p.V,
+            _triton_products(p, d, ldd, prod_scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
         if db is not None:
             torch.sum(db_part[:, :width], 0, out=db[v0:v0 + width])
         v0, i = v0 + width, i + 1
     if library and dx is not None:
         if in_order:
-            if not acc_is_dx:
-                dx[tokens].copy_(acc)
+            _times(acc, factor, out=None if acc_is_dx else dx[tokens])
         else:
-            dx.index_copy_(0, p.row_idx[p0:p0 + rows], acc.to(dx.dtype))
+            dx.index_copy_(0, p.row_idx[p0:p0 + rows], _times(acc, factor).to(dx.dtype))
+
+
+def _times(t, factor, out=None):
+    """``t * factor`` (``factor`` a device scalar, or None for 1) into ``out``, rounded to its
+    dtype, or into ``t`` in place. Returns the result."""
+    if out is None:
+        return t if factor is None else t.mul_(factor)
+    if factor is None:
+        return out.copy_(t)
+    return torch.mul(t, factor, out=out)
 
 
 def _tail_widths(p: Problem, d_rows: int, vc: int, dw, with_dw32: bool) -> list:
@@ -324,12 +336,13 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
-              need_db: bool, low_memory: bool, round_grads: bool = True, alpha: float = 1.0):
+              need_db: bool, low_memory: bool, round_grads: bool = True, factor=None):
     """(dx, dw, db) in the input dtypes, or without ``round_grads`` in fp32, unrounded (None
     where not asked for); ignored rows get zeros. The products accumulate in fp32 either way:
-    the outputs' dtype only decides whether their final stores round. ``alpha`` (cuBLAS
-    products only): the gradients of ``alpha`` times the coefficients, the factor applied by
-    the products and to db before any rounding (kernels._unit_coefs).
+    the outputs' dtype only decides whether their final stores round. ``factor``: an fp32
+    device tensor of one element, or None for 1: the gradients of ``factor`` times the
+    coefficients, the factor multiplied into dX, dW and db in fp32 before their one rounding
+    (kernels._unit_coefs; no host read).
 
     The sweeps cover the first ``p.n_valid_host`` compacted rows when the caller read that
     count (the forward, whose target check syncs anyway), else all N positions (the kernels
@@ -346,7 +359,6 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     block_n = p.cfg["logits"]["BLOCK_N"]
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
-    assert lib or alpha == 1.0, "alpha is applied by the cuBLAS products only"
     known = p.n_valid_host is not None
     n_rows = p.n_valid_host if known else p.N
     if n_rows > 0 and (need_dx or need_dw or need_db):
@@ -354,7 +366,7 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
             vc = ov.get("vc") or _fit(config.D_BYTES // elt, n_rows, block_n,
                                       _dw32_cap(p, lib and need_dw, config.D_BYTES))
             _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
-                   by_row=lib and need_dw and not known, alpha=alpha)
+                   by_row=lib and need_dw and not known, factor=factor)
         else:
             if need_dx:
                 scratch = dw  # (None without dW; else written whole by the dW sweep below)
@@ -363,18 +375,18 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                 rb, rvc = ov.get("row_block") or rb, ov.get("row_vc") or rvc
                 for p0 in range(0, n_rows, rb):
                     _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
-                           library=lib, scratch=scratch, alpha=alpha)
+                           library=lib, scratch=scratch, factor=factor)
             if need_dw or need_db:
                 by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
                 _sweep(p, lse, cf, scale, 0, rows, ov.get("vc") or vc, dw=dw, db=db32,
-                       library=lib, by_row=by_row, dw_tail=dw is not None, alpha=alpha)
+                       library=lib, by_row=by_row, dw_tail=dw is not None, factor=factor)
     else:
         if dw is not None:
             dw.zero_()
         if db32 is not None:
             db32.zero_()
-    if db32 is not None and alpha != 1.0:
-        db32.mul_(alpha)
+    if db32 is not None:
+        _times(db32, factor)
     db = db32
     if db32 is not None and round_grads:
         db = db32.to(p.bias.dtype if p.bias is not None else p.weight.dtype)
