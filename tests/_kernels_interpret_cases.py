@@ -421,6 +421,28 @@ def test_out_of_range_target_raises(grad_path):
     assert out.target_logit[5] == 0
 
 
+@pytest.mark.parametrize("bad", [-3, 53])
+def test_statistics_queued_before_the_target_check_waits(monkeypatch, bad):
+    """Without gradients (evaluation; the forward of reduction='none' and low_memory) the
+    target check's host read is waited for only once the statistics pass is queued, so that
+    the GPU is not idle while the host waits: that pass takes any target (here with class
+    weights and a softcap), and the call still raises, naming the target."""
+    order = []
+    real_stats, real_wait = kernels._row_stats, kernels.CountRead.wait
+    monkeypatch.setattr(kernels, "_row_stats",
+                        lambda *a: order.append("statistics") or real_stats(*a))
+    monkeypatch.setattr(kernels.CountRead, "wait",
+                        lambda self, *a, **kw: order.append("wait") or real_wait(self, *a, **kw))
+    g = _gen()
+    x, w, b, t, cw = _inputs(12, 48, 53, torch.float32, class_weight=True, out_of_shard=False,
+                             g=g)
+    t[5] = bad
+    with pytest.raises(ValueError, match=f"target: expected .* got {bad} at flat position 5"):
+        kernels.forward(x, w, b, t, IGNORE, 3.0, cw, with_weighted_sum=True,
+                        check_targets=True)
+    assert order == ["statistics", "wait"]
+
+
 def test_default_budget_single_chunk():
     """Without the test override: the real workspace sizing (one chunk at these sizes)."""
     g = _gen()

@@ -126,10 +126,16 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
         if round_grads:
             grads = reference.rounded_grads(grads, x, weight, bias)
         return _row_stats_with(stats, grads)
-    if want and check_targets and p.N > 0 and not _cannot_sync() and library_products(p):
-        # the target check reads the device anyway: the valid count comes with it, and the
-        # cuBLAS products then skip the ignored rows (MLM)
-        _count_read(p, scan).wait(p, check_targets=True)
+    read = None
+    if check_targets and p.N > 0 and not _cannot_sync():
+        # the target check's host read of the scan's counts, started now: waited for once the
+        # kernels are queued, so that the GPU works while the host waits (the kernels take
+        # any target: out-of-range ones as columns of no shard), or before the sweeps where
+        # their cuBLAS products want the valid count (they then skip the ignored rows: MLM)
+        read = _count_read(p, scan)
+        if want and library_products(p):
+            read.wait(p, check_targets=True)
+            read = None
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
@@ -137,6 +143,8 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     if want:
         grads = gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
                           need_db=need_db, low_memory=low_memory, round_grads=round_grads)
+    if read is not None:
+        read.wait(p, check_targets=True)  # raises on an out-of-range target
     return _row_stats_with(stats, grads)
 
 
