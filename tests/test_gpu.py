@@ -351,6 +351,25 @@ def test_nonfinite_propagates(bad, path):
     assert not torch.isfinite(out.dx[7]).all()
 
 
+@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("bad", [-3, 30522])
+def test_out_of_range_target_raises(grads, bad):
+    """An out-of-range target raises ValueError naming it, in evaluation (where the check's
+    host read is waited for once the statistics pass is queued) and in training, after
+    kernels that took it as a column of no shard: no illegal access, the next call works."""
+    import fused_ce
+    x, w, b, t = _inputs(4096, 1024, 30522, torch.bfloat16)
+    x.requires_grad_(grads)
+    t[77] = bad
+    with torch.set_grad_enabled(grads):
+        with pytest.raises(ValueError, match=f"got {bad} at flat position 77"):
+            fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
+        t[77] = 5
+        loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
+    ref = F.cross_entropy(F.linear(x.detach().double(), w.double(), b.double()), t)
+    assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
+
+
 @pytest.mark.parametrize("route", ["mean", "none", "low_memory"])
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
 def test_public_api_bf16_vs_fp32(upstream, route):
