@@ -128,17 +128,18 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
         return _row_stats_with(stats, grads)
     read = None
     if check_targets and p.N > 0 and not _cannot_sync():
-        # the target check's host read of the scan's counts, started now: waited for once the
-        # kernels are queued, so that the GPU works while the host waits (the kernels take
-        # any target: out-of-range ones as columns of no shard), or before the sweeps where
-        # their cuBLAS products want the valid count (they then skip the ignored rows: MLM)
+        # the target check's host read of the scan's counts, started now (or by a prepared
+        # scan) and waited for once the statistics pass is queued, so that the GPU works while
+        # the host waits (the kernels take any target: an out-of-range one as a column of no
+        # shard)
         read = _count_read(p, scan)
-        if want and library_products(p):
-            read.wait(p, check_targets=True)
-            read = None
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
     stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
+    if read is not None and want and library_products(p):
+        # the sweeps' cuBLAS products want the valid count: they then skip the ignored rows
+        read.wait(p, check_targets=True)
+        read = None
     grads = (None, None, None)
     if want:
         grads = gradients(p, stats[0], coefs, need_dx=need_dx, need_dw=need_dw,
