@@ -268,13 +268,9 @@ def test_deterministic(path):
     _assert_identical(*runs)
 
 
-@pytest.mark.parametrize("grads", [True, False])
-def test_cuda_graph_capture(sweep_only, grads):
-    """No host sync: forward (+ grads) capture into a CUDA graph and replay on new values."""
-    x, w, b, t = _inputs(1024, 512, 4099, torch.bfloat16)
-    coefs = _mean_coefs(t, 1024)
-    run = lambda: kernels.forward(x, w, b, t, -100, None, None, coefs=coefs if grads else None,
-                                  need_dx=grads, need_dw=grads, need_db=grads)
+def _captured(run):
+    """(graph, outputs) of ``run`` captured into a CUDA graph, after a warm-up call on a side
+    stream (compilation and allocations happen outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -283,6 +279,17 @@ def test_cuda_graph_capture(sweep_only, grads):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
+    return graph, out
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_cuda_graph_capture(sweep_only, grads):
+    """No host sync: forward (+ grads) capture into a CUDA graph and replay on new values."""
+    x, w, b, t = _inputs(1024, 512, 4099, torch.bfloat16)
+    coefs = _mean_coefs(t, 1024)
+    run = lambda: kernels.forward(x, w, b, t, -100, None, None, coefs=coefs if grads else None,
+                                  need_dx=grads, need_dw=grads, need_db=grads)
+    graph, out = _captured(run)
     x2, w2, b2, t2 = _inputs(1024, 512, 4099, torch.bfloat16)
     x.copy_(x2), w.copy_(w2), b.copy_(b2), t.copy_(t2)
     c2 = _mean_coefs(t, 1024)
@@ -318,14 +325,7 @@ def test_sweep_backward_one_coefficient_per_row(dtype, low_memory, capture):
     run = lambda: kernels.backward(x, w, b, t, -100, None, None, lse32, co, need_dx=True,
                                    need_dw=True, need_db=True, low_memory=low_memory)
     if capture:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ours = run()
+        graph, ours = _captured(run)
         graph.replay()
         torch.cuda.synchronize()
     else:
