@@ -215,10 +215,10 @@ def _count_read(p: Problem, scan: Optional["TargetScan"], scale: Optional[Tensor
 
 
 class CountRead:
-    """The one host sync of the paths that want sizes on the host (cuBLAS products over the
-    valid rows only): the valid and out-of-range counts (Problem.counts) and, for fp16, D's
-    scale. The copy starts at once (into pinned memory, asynchronously) so that the work that
-    does not depend on it can be queued before ``wait``."""
+    """The one host read of a call: the valid and out-of-range counts (Problem.counts: the
+    target check, and the sizes of cuBLAS products over the valid rows only) and, for fp16,
+    D's scale. The copy starts at once (into pinned memory, asynchronously) so that the work
+    that does not depend on it can be queued before ``wait``."""
 
     def __init__(self, counts: Tensor, scale: Optional[Tensor] = None):
         vals = counts if scale is None else torch.cat([counts.double(), scale.double()])
