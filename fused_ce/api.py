@@ -257,11 +257,18 @@ def linear_cross_entropy(
             loss, lse, argmax, *_ = ops.loss_sum(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need,
                 scan=prepared_targets)
-        if reduction == "mean":  # torch: 0/0 = nan when no target is valid
-            loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+        if reduction == "mean":
+            loss = _mean_from_sum(loss, d_nll, divisor)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
+
+
+def _mean_from_sum(loss: Tensor, d_nll: Tensor, divisor: Tensor) -> Tensor:
+    """'mean' from the op's summed loss and _coefficients' denominator and divisor: the sum
+    divided by the divisor, nan where the denominator is 0 (torch: 0/0 when no target is
+    valid; the gradients stay zero)."""
+    return loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
 
 
 def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=1.0

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from fused_ce import _validation as check
 from fused_ce._dispatch import backend_for
-from fused_ce.api import _cast_for_autocast, _coefficients, _stats
+from fused_ce.api import _cast_for_autocast, _coefficients, _mean_from_sum, _stats
 from fused_ce.reference import GradCoefs, accumulation_dtype
 
 __all__ = ["VocabParallel", "vocab_parallel_cross_entropy", "shard_bounds"]
@@ -457,8 +457,8 @@ def vocab_parallel_cross_entropy(
         loss = rows.reshape(target.shape)
     else:
         loss = rows.sum()
-        if reduction == "mean":  # torch: 0/0 = nan when no target is valid
-            loss = loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+        if reduction == "mean":
+            loss = _mean_from_sum(loss, d_nll, divisor)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
