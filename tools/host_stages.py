@@ -1,0 +1,166 @@
+"""One device call: the host time of one fused_ce forward+backward, stage by stage.
+
+    python tools/host_stages.py [--shapes mlm,bert8k] [--steps 200]
+
+Methods and shapes are benchmarks/bench.py's (method fused_ce). Wraps the stages of the call
+(the API's checks and coefficients, kernels.forward and its parts, the backward's scaling)
+with perf_counter stamps, runs the steps back to back (no synchronize but the path's own host
+read) and prints per stage the median host microseconds per step (inclusive of the stages it
+calls) and how often it ran; the host read's wait is listed apart, so that the host's busy
+time is the step minus the wait. Then the host cost of single torch ops and launches on this
+machine (median us per call, no synchronize), to rank what a removed op saves.
+"""
+import argparse
+import collections
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench  # noqa: E402
+import fused_ce  # noqa: E402
+from fused_ce import _validation, api, kernels, ops  # noqa: E402
+from fused_ce.kernels import problem, row_chunks, scale  # noqa: E402
+
+SPENT = collections.defaultdict(float)
+CALLS = collections.Counter()
+
+
+def timed(label, fn):
+    def wrapper(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            SPENT[label] += time.perf_counter() - t0
+            CALLS[label] += 1
+    return wrapper
+
+
+def wrap(obj, name, label=None):
+    setattr(obj, name, timed(label or name, getattr(obj, name)))
+
+
+def instrument():
+    wrap(fused_ce, "linear_cross_entropy", "api.linear_cross_entropy")
+    for name in ("check_linear", "check_loss_options", "check_dtypes"):
+        wrap(_validation, name, "check." + name)
+    wrap(api, "_coefficients", "api._coefficients")
+    wrap(api, "_mean_from_sum", "api._mean_from_sum")
+    wrap(ops, "_sum_backward", "ops._sum_backward")
+    wrap(ops, "_row_loss", "ops._row_loss")
+    wrap(kernels, "forward", "kernels.forward")
+    wrap(kernels, "_row_chunks", "kernels._row_chunks")
+    wrap(kernels, "row_coefs", "gradients.row_coefs")
+    wrap(kernels, "_count_read", "kernels._count_read")
+    wrap(kernels, "scale_into", "scale.scale_into")
+    wrap(kernels.CountRead, "wait", "WAIT CountRead.wait")
+    wrap(problem.Problem, "__init__", "Problem.__init__")
+    wrap(problem, "scan_targets", "targets.scan_targets")
+    wrap(row_chunks, "forward_with_grads", "row_chunks.forward_with_grads")
+    wrap(row_chunks, "_sweep_chunks", "row_chunks._sweep_chunks")
+    wrap(row_chunks, "_padded_bias", "row_chunks._padded_bias")
+    wrap(row_chunks, "gemm_f32", "row_chunks.gemm_f32")
+    wrap(row_chunks._Outputs, "__init__", "row_chunks._Outputs.__init__")
+    wrap(row_chunks._Outputs, "zero_ignored", "row_chunks._Outputs.zero_ignored")
+    wrap(row_chunks.finish_rows_kernel, "run", "finish_rows_kernel launch")
+
+
+def stages(shape: str, steps: int):
+    x, w, b, t = bench.make_inputs(shape)
+    fn = bench.method_fn("fused_ce", "ce", x, w, b, t)
+    params = [p for p in (x, w, b) if p is not None]
+    per_step = collections.defaultdict(list)
+    walls, fwd, bwd = [], [], []
+    for i in range(steps + 10):
+        SPENT.clear()
+        CALLS.clear()
+        t0 = time.perf_counter()
+        for p in params:
+            p.grad = None
+        loss = fn()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if i >= 10:
+            walls.append(t2 - t0)
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            for k, v in SPENT.items():
+                per_step[k].append((v, CALLS[k]))
+    torch.cuda.synchronize()
+    med = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
+    wait = [v for v, _ in per_step.get("WAIT CountRead.wait", [(0.0, 0)] * len(walls))]
+    print(f"\n=== {shape}: host us per step (median of {steps}, back to back): step "
+          f"{med(walls):.0f} (forward {med(fwd):.0f}, backward {med(bwd):.0f}), "
+          f"of which waiting for the host read {med(wait):.0f}; busy "
+          f"{med([a - c for a, c in zip(walls, wait)]):.0f}")
+    for k in sorted(per_step, key=lambda k: -statistics.median(v for v, _ in per_step[k])):
+        vals = per_step[k]
+        print(f"  {med([v for v, _ in vals]):8.1f}  x{vals[0][1]:<3d} {k}")
+
+
+def op_costs(reps: int = 300):
+    dev = "cuda"
+    n, h, v = 16384, 1024, 30592
+    d = torch.tensor(5.0, device=dev)
+    loss = torch.tensor(3.0, device=dev)
+    t = torch.randint(0, v, (n,), device=dev)
+    valid = t != -100
+    vf = valid.float()
+    x = torch.randn(2048, h, device=dev, dtype=torch.bfloat16)
+    wt = torch.randn(h, 512, device=dev, dtype=torch.bfloat16)
+    z = torch.empty(2048, 512, device=dev)
+    idx = torch.arange(0, n, 7, device=dev)
+    src = torch.randn(4096, device=dev)
+    g = torch.ones(1, device=dev)
+    cases = {
+        "torch.empty(n)": lambda: torch.empty(n, device=dev),
+        "torch.zeros(n)": lambda: torch.zeros(n, device=dev),
+        "torch.ones(())": lambda: torch.ones((), device=dev),
+        "t != -100": lambda: t != -100,
+        "valid.to(float32)": lambda: valid.to(torch.float32),
+        "vf.sum()": lambda: vf.sum(),
+        "d.clamp_min(1)": lambda: d.clamp_min(1),
+        "loss / d": lambda: loss / d,
+        "torch.where(d == 0, nan, 0.0)": lambda: torch.where(d == 0, math.nan, 0.0),
+        "zeros_like(vf)": lambda: torch.zeros_like(vf),
+        "x.index_select(0, idx)": lambda: x.index_select(0, idx[:2048]),
+        "addmm out_dtype=fp32 (2048x512x1024)": lambda: torch.addmm(
+            z, x, wt, beta=0.0, out_dtype=torch.float32, out=z),
+        "scale_into (one 4096 fp32 tensor)": lambda: scale.scale_into([src], [torch.bfloat16], g),
+        "torch.cuda.Event().record()": lambda: torch.cuda.Event().record(),
+        "pinned torch.empty(2)": lambda: torch.empty(2, dtype=torch.int32, pin_memory=True),
+    }
+    print("\n=== host us per call (median of %d, no synchronize)" % reps)
+    for name, f in cases.items():
+        for _ in range(20):
+            f()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        print(f"  {1e6 * statistics.median(times):8.1f}  {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="mlm,bert8k")
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    op_costs()
+    instrument()
+    for shape in args.shapes.split(","):
+        stages(shape, args.steps)
+
+
+if __name__ == "__main__":
+    main()
