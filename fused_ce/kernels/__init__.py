@@ -58,7 +58,7 @@ def supports(x: Tensor) -> bool:
     device under the Triton interpreter (TRITON_INTERPRET=1)."""
     if config.interpreting():
         return True
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
+    return x.is_cuda and config.capability(x.device)[0] >= 8
 
 
 def _use_reference(x: Tensor, weight: Tensor) -> bool:

@@ -129,13 +129,25 @@ def current(hidden: int = 0) -> dict:
     return CONFIG["gpu_wide"] if hidden >= WIDE_H else CONFIG["gpu"]
 
 
-_SM_COUNT = {}
+_PROPERTIES = {}
+
+
+def _properties(device: torch.device):
+    """The CUDA device's properties, asked once per device (torch asks the driver on every
+    ``get_device_capability``: ~20 us of host time per loss call, NOTES.md #72)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PROPERTIES:
+        _PROPERTIES[idx] = torch.cuda.get_device_properties(idx)
+    return _PROPERTIES[idx]
 
 
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _properties(device).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device."""
+    props = _properties(device)
+    return props.major, props.minor
