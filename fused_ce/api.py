@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from contextlib import nullcontext
 from typing import NamedTuple, Optional, Union
@@ -134,9 +133,9 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
     'mean' divides both parts by ``sum_valid w[t_i]`` (the number of valid rows without class
     weights). The z-loss ``z_loss * lse_i**2`` is averaged over valid rows, unweighted.
 
-    Returns (coefficients, the 'mean' denominator d of the nll part, the divisor the caller
-    applies to the op's summed loss: d for 'mean' (1 where d is 0), else 1). 'mean' is left to
-    that division (autograd then passes the upstream gradient over it to the op's one
+    Returns (coefficients, the 'mean' denominator d of the nll part, the divisor applied to the
+    summed loss: d (1 where d is 0); both None unless 'mean'). 'mean' is left to that
+    division (``ops.mean_from_sum``; the upstream gradient divided by it reaches the op's one
     rounding): the coefficients are 'sum''s, 1 (or w[t_i]) and not 1/n, and the z-loss's is
     multiplied by d, so that a 16-bit D's target entries (p - 1) * coefficient are not all
     rounded by the same relative error of 1/n, an error that dX and dW would inherit row for
@@ -145,20 +144,26 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
     valid_f = valid.to(acc)
     w_t = valid_f if class_weight is None else class_weight.to(acc)[target.clamp(0, vocab - 1)] * valid_f
     w_sum = float(vocab) if class_weight is None else class_weight.to(acc).sum()
-    one = torch.ones((), dtype=acc, device=target.device)
-    d_nll = divisor = d_z = one
+    d_nll = divisor = d_z = None  # (None: 1)
     if reduction == "mean":
-        # (0 valid rows: a divisor of 1 keeps the zero gradients; the caller adds the nan)
+        # (0 valid rows: a divisor of 1 keeps the zero gradients; the caller adds the nan.
+        # Without class weights d_nll counts rows, so max(d_nll, 1) is that divisor)
         d_nll = w_t.sum()
-        divisor = torch.where(d_nll == 0, one, d_nll)
+        divisor = (d_nll.clamp_min(1) if class_weight is None
+                   else torch.where(d_nll == 0, 1.0, d_nll))
         if z_loss:  # its mean over the valid rows, times the divisor the loss then gets
             d_z = valid_f.sum() / divisor
     # w_t is 0 on ignored rows; a term that is off (no smoothing, no z-loss) gets exact zeros
     # without the arithmetic
     a = (1 - label_smoothing) * w_t if label_smoothing else w_t
     zeros = None if label_smoothing and z_loss else torch.zeros_like(a)
-    c = torch.where(valid, one * (label_smoothing / vocab), 0) if label_smoothing else zeros
-    e = torch.where(valid, z_loss / d_z, 0) if z_loss else zeros
+    c = valid_f * (label_smoothing / vocab) if label_smoothing else zeros
+    if not z_loss:
+        e = zeros
+    elif d_z is None:
+        e = valid_f * z_loss
+    else:  # (no valid row: d_z is 0, and the ignored rows keep their exact 0)
+        e = torch.where(valid, z_loss / d_z, 0.0)
     coefs = GradCoefs(target=a, smooth=c, prob=a + c * w_sum if label_smoothing else a, lse_sq=e)
     return coefs, d_nll, divisor
 
@@ -251,34 +256,31 @@ def linear_cross_entropy(
             rows, lse, argmax = ops.loss_rows(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
             loss = rows.reshape(target.shape) if reduction == "none" else rows.sum()
+            if reduction == "mean":
+                loss = ops.mean_from_sum(loss, d_nll, divisor)
         else:
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]
+            # ('mean': the op divides its sum, outside autograd)
             loss, lse, argmax, *_ = ops.loss_sum(
-                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need,
+                x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, *need, d_nll, divisor,
                 scan=prepared_targets)
-        if reduction == "mean":
-            loss = _mean_from_sum(loss, d_nll, divisor)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
 
 
-def _mean_from_sum(loss: Tensor, d_nll: Tensor, divisor: Tensor) -> Tensor:
-    """'mean' from the op's summed loss and _coefficients' denominator and divisor: the sum
-    divided by the divisor, nan where the denominator is 0 (torch: 0/0 when no target is
-    valid; the gradients stay zero)."""
-    return loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
-
-
-def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=1.0
+def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=None
            ) -> LinearCrossEntropyStats:
     correct = (argmax == t) & valid
     accuracy = correct.sum().to(lse.dtype) / valid.sum().to(lse.dtype)
     z_term = None
     if z_loss > 0:
         z_rows = coefs.lse_sq * lse * lse
-        z_term = z_rows.reshape(shape) if loss.dim() > 0 else z_rows.sum() / divisor
+        if loss.dim() > 0:
+            z_term = z_rows.reshape(shape)
+        else:
+            z_term = z_rows.sum() if divisor is None else z_rows.sum() / divisor
     return LinearCrossEntropyStats(loss, lse.reshape(shape), argmax.reshape(shape),
                                    correct.reshape(shape), accuracy, z_term)
 

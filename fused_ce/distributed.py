@@ -63,8 +63,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fused_ce import _validation as check
+from fused_ce import ops
 from fused_ce._dispatch import backend_for
-from fused_ce.api import _cast_for_autocast, _coefficients, _mean_from_sum, _stats
+from fused_ce.api import _cast_for_autocast, _coefficients, _stats
 from fused_ce.reference import GradCoefs, accumulation_dtype
 
 __all__ = ["VocabParallel", "vocab_parallel_cross_entropy", "shard_bounds"]
@@ -458,7 +459,7 @@ def vocab_parallel_cross_entropy(
     else:
         loss = rows.sum()
         if reduction == "mean":
-            loss = _mean_from_sum(loss, d_nll, divisor)
+            loss = ops.mean_from_sum(loss, d_nll, divisor)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)

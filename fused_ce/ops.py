@@ -9,7 +9,8 @@ Both loss ops check that every target is ``ignore_index`` or a column of the wei
 otherwise, before any gradient exists): the backend does it at its one host synchronization.
 Two ops, chosen by how the upstream gradient is shaped:
 
-* ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``. When gradients are needed they are computed in
+* ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``, or its 'mean' (``mean_from_sum``) when given
+  the mean's denominator and divisor. When gradients are needed they are computed in
   the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep), kept in their
   accumulation dtype (fp32 for 16-bit parameters), and in the backward multiplied by the actual
   scalar upstream gradient and rounded once into the parameters' dtypes: the same single
@@ -24,6 +25,7 @@ Two ops, chosen by how the upstream gradient is shaped:
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -66,22 +68,32 @@ def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:
 
 # --------------------------------------------------------------------------- sum of row losses
 
+def mean_from_sum(loss: Tensor, d_nll: Tensor, divisor: Tensor) -> Tensor:
+    """'mean' from a summed loss and ``api._coefficients``' denominator and divisor: the sum
+    divided by the divisor, nan where the denominator is 0 (torch: 0/0 when no target is
+    valid; the gradients stay zero)."""
+    return loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+
+
 def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                   class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
                   coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
                   softcap: Optional[float], with_weighted_sum: bool, need_dx: bool, need_dw: bool,
-                  need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(sum of row losses, lse, argmax, dx, dw, db); a gradient not asked for is empty, the
-    others for an upstream gradient of 1, unrounded, in the accumulation dtype (fp32 for
-    16-bit parameters)."""
+                  need_db: bool, mean_d: Optional[Tensor] = None,
+                  mean_divisor: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(sum of row losses, or ``mean_from_sum(sum, mean_d, mean_divisor)`` when those are given,
+    lse, argmax, dx, dw, db); a gradient not asked for is empty, the others for an upstream
+    gradient of 1 on the sum, unrounded, in the accumulation dtype (fp32 for 16-bit
+    parameters)."""
     return _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
                    coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw,
-                   need_db)
+                   need_db, mean_d, mean_divisor)
 
 
 def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
             coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db,
-            scan=None):
+            mean_d=None, mean_divisor=None, scan=None):
     """_linear_ce_sum, plus (eager route only) ``scan``: the backend's target scan made
     earlier (``api.prepare_targets``), used when this backend made it."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
@@ -95,6 +107,11 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
         check_targets=True, round_grads=False, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
+    if mean_divisor is not None:
+        # mean_from_sum without autograd, whose two recorded ops and backward nodes cost ~0.1
+        # ms of host time per call (NOTES.md #72); the backward divides the upstream gradient
+        loss = loss / mean_divisor
+        loss.masked_fill_(mean_d == 0, math.nan)
     grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
 
@@ -104,7 +121,8 @@ linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=
 
 @linear_ce_sum.register_fake
 def _(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob, coef_lse_sq,
-      ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db):
+      ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db, mean_d=None,
+      mean_divisor=None):
     acc = accumulation_dtype(x.dtype)
     n = x.shape[0]
     gx, gw, gb = (accumulation_dtype(d) for d in grad_dtypes(x, weight, bias))
@@ -127,7 +145,8 @@ def _tracing(t: Tensor) -> bool:
 def _sum_setup(ctx, inputs, output):
     _, lse, argmax, dx, dw, db = output
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
-    ctx.save_for_backward(dx, dw, db)
+    divisor = inputs[16] if len(inputs) > 16 else None  # the mean's divisor
+    ctx.save_for_backward(dx, dw, db, divisor)
     ctx.grad_dtypes = grad_dtypes(*inputs[:3])
     ctx.consumed = False
     # the outputs other than the loss get no upstream gradient: without this autograd would
@@ -146,10 +165,12 @@ def _sum_backward(ctx, g_loss, *_):
         raise RuntimeError("fused_ce: a second backward through the same fused loss "
                            "(retain_graph=True) is not supported; recompute the loss instead")
     ctx.consumed = True
-    dx, dw, db = ctx.saved_tensors
+    dx, dw, db, divisor = ctx.saved_tensors
     need = ctx.needs_input_grad
     if g_loss is None:  # (not materialized) the loss itself got no gradient
-        return (None,) * 15
+        return (None,) * 17
+    if divisor is not None:  # the forward returned the sum / divisor
+        g_loss = g_loss / divisor
     wanted = [(g, dt) for g, dt, w in zip((dx, dw, db), ctx.grad_dtypes, need[:3]) if w]
     # each gradient times the scalar, in the wider precision of the two, rounded once
     if not wanted:
@@ -160,7 +181,7 @@ def _sum_backward(ctx, g_loss, *_):
         grads, dtypes = zip(*wanted)
         scaled = backend_for(grads[0]).scaled_grads(grads, dtypes, g_loss)
     it = iter(scaled)
-    return tuple(next(it) if w else None for w in need[:3]) + (None,) * 12
+    return tuple(next(it) if w else None for w in need[:3]) + (None,) * 14
 
 
 torch.library.register_autograd("fused_ce::linear_ce_sum", _sum_backward, setup_context=_sum_setup)
@@ -283,7 +304,7 @@ def loss_sum(*args, scan=None):
     """``linear_ce_sum(*args)`` by the cheapest route with the same autograd semantics;
     ``scan`` (a ``PreparedTargets``) serves the eager route only."""
     if _plain_eager(*args[:5]):
-        return _LinearCeSum.apply(*args, scan)
+        return _LinearCeSum.apply(*args, *(None,) * (17 - len(args)), scan)
     return linear_ce_sum(*args)
 
 

@@ -54,6 +54,12 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(ops.linear_ce_rows, (x, w, b, t, None, *coefs, -100, 5.0, True, False))
     torch.library.opcheck(ops.linear_ce_sum,
                           (x, w, b, t, None, *coefs, -100, None, False, True, True, True))
+    # 'mean': the sum divided inside the op. (Its fp32 gradient outputs are consumed, scaled in
+    # place, by its backward, and opcheck compares them after a backward of upstream gradient
+    # 1: a divisor of 1 keeps them; test_eager_route_equals_custom_op checks other divisors.)
+    d = torch.tensor(1.0)
+    torch.library.opcheck(ops.linear_ce_sum,
+                          (x, w, b, t, None, *coefs, -100, None, False, True, True, True, d, d))
     torch.library.opcheck(ops.linear_log_softmax, (x, w, b))
 
 
@@ -64,13 +70,16 @@ def test_compiled_log_softmax():
     assert rel_err(f(x, w), (x.double() @ w.double().T).log_softmax(-1)) < 1e-6
 
 
-@pytest.mark.parametrize("rows", [False, True])
-def test_eager_route_equals_custom_op(rows):
+@pytest.mark.parametrize("rows,mean", [(False, False), (False, True), (True, False)])
+def test_eager_route_equals_custom_op(rows, mean):
     """Eager calls on plain tensors take the autograd.Function route (cheaper dispatch), traced
-    ones the custom op; both run the same implementation and backward: identical numbers."""
+    ones the custom op; both run the same implementation and backward: identical numbers. With
+    'mean''s denominator and divisor the sum op returns the sum divided by it, and its
+    gradients are the sum's times the upstream gradient over the divisor."""
     results = []
     x0, w0, b0, t, coefs = _op_args(n=9, h=13, v=17)
     g_rows = torch.randn(9)
+    divisor = torch.tensor(7.0)
     for route in ("eager", "custom_op"):
         x, w, b = (p.detach().clone().requires_grad_() for p in (x0, w0, b0))
         if rows:
@@ -79,8 +88,16 @@ def test_eager_route_equals_custom_op(rows):
             (out[0] * g_rows).sum().backward()
         else:
             args = (x, w, b, t, None, *coefs, -100, None, False, True, True, True)
+            args += (divisor, divisor) if mean else ()
             out = (ops.loss_sum if route == "eager" else ops.linear_ce_sum)(*args)
             (out[0] * 0.7).backward()
+            if mean:  # against the sum without them, divided outside
+                xs, ws, bs = (p.detach().clone().requires_grad_() for p in (x0, w0, b0))
+                plain = ops.loss_sum(xs, ws, bs, *args[3:15])[0]
+                (plain / divisor * 0.7).backward()
+                assert rel_err(out[0], plain / divisor) < 1e-6
+                for got, want in ((x.grad, xs.grad), (w.grad, ws.grad), (b.grad, bs.grad)):
+                    assert rel_err(got, want) < 1e-6
         assert ("Linear" in type(out[0].grad_fn).__name__) == (route == "eager")
         results.append([out[0].detach(), out[1], x.grad, w.grad, b.grad])
     for a, c in zip(*results):
