@@ -54,6 +54,11 @@ def instrument():
     wrap(api, "_mean_from_sum", "api._mean_from_sum")
     wrap(ops, "_sum_backward", "ops._sum_backward")
     wrap(ops, "_row_loss", "ops._row_loss")
+    wrap(ops, "loss_sum", "ops.loss_sum")
+    wrap(ops, "_plain_eager", "ops._plain_eager")
+    wrap(ops, "backend_for", "ops.backend_for")
+    wrap(ops._LinearCeSum, "apply", "ops._LinearCeSum.apply")
+    wrap(api, "_cast_for_autocast", "api._cast_for_autocast")
     wrap(kernels, "forward", "kernels.forward")
     wrap(kernels, "_row_chunks", "kernels._row_chunks")
     wrap(kernels, "row_coefs", "gradients.row_coefs")
@@ -69,6 +74,7 @@ def instrument():
     wrap(row_chunks._Outputs, "__init__", "row_chunks._Outputs.__init__")
     wrap(row_chunks._Outputs, "zero_ignored", "row_chunks._Outputs.zero_ignored")
     wrap(row_chunks.finish_rows_kernel, "run", "finish_rows_kernel launch")
+    wrap(row_chunks._FirstTileChunk, "__init__", "row_chunks._FirstTileChunk (speculative GEMM)")
 
 
 def stages(shape: str, steps: int):
@@ -151,12 +157,105 @@ def op_costs(reps: int = 300):
         print(f"  {1e6 * statistics.median(times):8.1f}  {name}")
 
 
+def gemm_costs(reps: int = 200):
+    """Host us of the row-chunk path's GEMM calls at MLM's one chunk (2458 rows): as
+    gemm_f32 makes them (addmm with out_dtype, out a strided view of Z) and variants."""
+    dev = "cuda"
+    n, h, v, vp = 2458, 1024, 30522, 30528
+    v64 = v // 64 * 64
+    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16)
+    z = torch.empty(n, vp, device=dev)
+    zc = torch.empty(n, v64, device=dev)
+    d = z.view(torch.bfloat16)[:, :v]
+    dx = torch.empty(n, h, device=dev)
+    dw = torch.empty(v, h, device=dev)
+    cases = {
+        "gemm_f32 logits (out strided)": lambda: row_chunks.gemm_f32(x, w[:v64].t(), z[:, :v64]),
+        "addmm beta=0 logits, out contiguous": lambda: torch.addmm(
+            zc, x, w[:v64].t(), beta=0.0, out_dtype=torch.float32, out=zc),
+        "mm out_dtype logits, out strided": lambda: torch.mm(
+            x, w[:v64].t(), out_dtype=torch.float32, out=z[:, :v64]),
+        "mm out_dtype logits, out contiguous": lambda: torch.mm(
+            x, w[:v64].t(), out_dtype=torch.float32, out=zc),
+        "mm bf16 logits (no out_dtype)": lambda: torch.mm(x, w[:v64].t()),
+        "gemm_f32 dX (D strided)": lambda: row_chunks.gemm_f32(d[:, :v64], w[:v64], dx),
+        "gemm_f32 dX tail accumulate": lambda: row_chunks.gemm_f32(d[:, v64:], w[v64:], dx,
+                                                                   accumulate=True),
+        "gemm_f32 dW": lambda: row_chunks.gemm_f32(d[:, :v64].t(), x, dw[:v64]),
+    }
+    print("\n=== host us per GEMM call (median of %d, no synchronize)" % reps)
+    for name, f in cases.items():
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+            if len(times) % 20 == 0:
+                torch.cuda.synchronize()  # (keeps the launch queue short)
+        torch.cuda.synchronize()
+        print(f"  {1e6 * statistics.median(times):8.1f}  {name}")
+
+
+class _Three(torch.autograd.Function):
+    """A loss of three parameters whose backward returns stored gradients (the engine's own
+    cost)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w, b)
+        return x.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.saved_tensors
+
+
+def engine_costs(reps: int = 200):
+    """Host us of loss.backward() for a Function of three parameters, with and without the
+    API's 'mean' arithmetic (div, where, add) on top."""
+    dev = "cuda"
+    x = torch.randn(16, 8, device=dev, requires_grad=True)
+    w = torch.randn(8, 8, device=dev, requires_grad=True)
+    b = torch.randn(8, device=dev, requires_grad=True)
+    d = torch.tensor(5.0, device=dev)
+
+    def plain():
+        return _Three.apply(x, w, b)
+
+    def mean():
+        return _Three.apply(x, w, b) / d + torch.where(d == 0, math.nan, 0.0)
+    print("\n=== host us of the backward engine (median of %d)" % reps)
+    for name, make in (("Function alone", plain), ("Function / d + where term", mean)):
+        fwd, bwd = [], []
+        for i in range(reps + 10):
+            for p in (x, w, b):
+                p.grad = None
+            t0 = time.perf_counter()
+            loss = make()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if i >= 10:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+            if i % 20 == 0:
+                torch.cuda.synchronize()
+        print(f"  forward {1e6 * statistics.median(fwd):7.1f}  backward "
+              f"{1e6 * statistics.median(bwd):7.1f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="mlm,bert8k")
+    ap.add_argument("--shapes", default="mlm,bert8k")  # (training shapes: method fused_ce)
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     op_costs()
+    gemm_costs()
+    engine_costs()
     instrument()
     for shape in args.shapes.split(","):
         stages(shape, args.steps)
