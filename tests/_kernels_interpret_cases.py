@@ -606,7 +606,7 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     used = []
     real = logits_tiles.TileStats.logits
     monkeypatch.setattr(logits_tiles.TileStats, "logits",
-                        lambda self, *a: used.append(1) or real(self, *a))
+                        lambda self, *a, **k: used.append(1) or real(self, *a, **k))
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
     monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
@@ -717,8 +717,8 @@ def test_logits_tiles_first_chunk_before_count(ignored, budget, arrived, monkeyp
     real_logits, real_wait = logits_tiles.TileStats.logits, kernels.CountRead.wait
     stats = []
     monkeypatch.setattr(logits_tiles.TileStats, "logits",
-                        lambda self, *a: order.append("logits") or stats.append(self)
-                        or real_logits(self, *a))
+                        lambda self, *a, **k: order.append("logits") or stats.append(self)
+                        or real_logits(self, *a, **k))
     monkeypatch.setattr(kernels.CountRead, "wait",
                         lambda self, *a, **k: order.append("wait") or real_wait(self, *a, **k))
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
@@ -763,8 +763,8 @@ def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
     events = []
     real_logits, real_finish = logits_tiles.TileStats.logits, logits_tiles.TileStats.finish
     monkeypatch.setattr(logits_tiles.TileStats, "logits",
-                        lambda self, p, xc, e, c0, *a: events.append(("logits", c0, self))
-                        or real_logits(self, p, xc, e, c0, *a))
+                        lambda self, p, xc, e, c0, *a, **k: events.append(("logits", c0, self))
+                        or real_logits(self, p, xc, e, c0, *a, **k))
     monkeypatch.setattr(logits_tiles.TileStats, "finish",
                         lambda self, p, xc, e, c0, *a: events.append(("finish", c0, self))
                         or real_finish(self, p, xc, e, c0, *a))
@@ -810,7 +810,9 @@ def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
 def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
     """By default the path is chosen by the valid count: when the first chunk's logits were
     launched (all N rows would take the epilogue path) but fewer than min_rows turn out valid,
-    that work is dropped and cuBLAS-style fp32 logits (finish_rows_kernel) serve the call."""
+    that work is dropped and cuBLAS-style fp32 logits (finish_rows_kernel) serve the call. The
+    kernel has computed nothing for it (it reads the count): its E and tile statistics keep
+    what they held."""
     from fused_ce.kernels import logits_tiles
     cfg = {**config.INTERPRETER["logits_tiles"], "use": True, "min_rows": 20}
     monkeypatch.setitem(config.INTERPRETER, "logits_tiles", cfg)
@@ -819,8 +821,18 @@ def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
     used = {"tiles": 0, "rows": 0}
     real_logits, real_rows = logits_tiles.TileStats.logits, row_chunks.finish_rows_kernel
     monkeypatch.setattr(logits_tiles.TileStats, "logits",
-                        lambda self, *a: used.update(tiles=used["tiles"] + 1)
-                        or real_logits(self, *a))
+                        lambda self, *a, **k: used.update(tiles=used["tiles"] + 1)
+                        or real_logits(self, *a, **k))
+    workspaces = []
+    real_workspace = row_chunks._tile_workspace
+
+    def marked_workspace(*a):
+        d, ts, db_parts = real_workspace(*a)
+        for buf in (d, ts.m, ts.s):
+            buf.fill_(7.0)
+        workspaces.append((d, ts))
+        return d, ts, db_parts
+    monkeypatch.setattr(row_chunks, "_tile_workspace", marked_workspace)
 
     class Rows:
         def __getitem__(self, grid):
@@ -837,6 +849,8 @@ def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
     ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
                             **{**kw, "coefs": GradCoefs(*map(_d, co))})
     assert used == {"tiles": 1, "rows": 1}
+    (d, ts), = workspaces
+    assert all(bool((buf == 7.0).all()) for buf in (d, ts.m, ts.s))
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
 

@@ -51,7 +51,7 @@ def instrument():
     for name in ("check_linear", "check_loss_options", "check_dtypes"):
         wrap(_validation, name, "check." + name)
     wrap(api, "_coefficients", "api._coefficients")
-    wrap(api, "_mean_from_sum", "api._mean_from_sum")
+    wrap(ops, "mean_from_sum", "ops.mean_from_sum")
     wrap(ops, "_sum_backward", "ops._sum_backward")
     wrap(ops, "_row_loss", "ops._row_loss")
     wrap(ops, "loss_sum", "ops.loss_sum")

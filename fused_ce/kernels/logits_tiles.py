@@ -56,7 +56,7 @@ from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothin
 
 @triton.jit
 def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0, M, V, H, m_ptr,
-                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs, softcap,
+                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs, softcap, min_count,
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -73,9 +73,12 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
     no z to differentiate the cap by). Otherwise
     the rows past the valid count (``count_ptr``, on the device; the chunk's first row is the
     compacted position c0) are not computed: a chunk launched before the host has read the
-    count covers the first rows of the stable partition, the valid ones first."""
+    count covers the first rows of the stable partition, the valid ones first. None is where
+    the count is below ``min_count``: the host then drops such a chunk (row_chunks.py)."""
     if not LOG_PROBS:
-        M = tl.minimum(M, tl.maximum(tl.load(count_ptr) - c0, 0))
+        count = tl.load(count_ptr)
+        M = tl.minimum(M, tl.maximum(count - c0, 0))
+        M = tl.where(count < min_count, 0, M)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(V, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, n_progs, flatten=FLATTEN):
@@ -329,13 +332,18 @@ def applicable(p: Problem, lse_in, rows: int) -> bool:
     x and W the TMA descriptors can address (problem.descriptor_ok)."""
     wanted = config.LOGITS_EPILOGUE
     if wanted is None:
-        cfg = p.cfg["logits_tiles"]
-        wanted = cfg["use"] and rows >= cfg["min_rows"]
+        wanted = p.cfg["logits_tiles"]["use"] and rows >= min_valid_rows(p)
     if not wanted or lse_in is not None or p.softcap is not None:
         return False
     dtypes = (torch.bfloat16, torch.float32) if config.interpreting() else (torch.bfloat16,)
     return (p.x.dtype in dtypes and p.weight.dtype == p.x.dtype
             and descriptor_ok(p.x) and descriptor_ok(p.weight))
+
+
+def min_valid_rows(p: Problem) -> int:
+    """The valid rows from which ``applicable`` holds (0 where config.LOGITS_EPILOGUE forces
+    the path)."""
+    return p.cfg["logits_tiles"]["min_rows"] if config.LOGITS_EPILOGUE is None else 0
 
 
 def bytes_per_row(p: Problem, v_pad: int) -> int:
@@ -350,11 +358,12 @@ def tile_width(cfg: dict) -> int:
 
 
 def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count, c0: int, V: int,
-           m, s, a, ws, n_tiles: int, softcap: float = 1.0, **flags) -> None:
+           m, s, a, ws, n_tiles: int, softcap: float = 1.0, min_count: int = 0, **flags) -> None:
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
     multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)], or only the statistics where
-    ``e`` is None; ``flags``: HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS and (statistics only)
-    HAS_SOFTCAP, the rest from the tile configuration ``cfg``."""
+    ``e`` is None; nothing where the valid count is below ``min_count``; ``flags``: HAS_BIAS,
+    HAS_CW, WITH_WS, LOG_PROBS and (statistics only) HAS_SOFTCAP, the rest from the tile
+    configuration ``cfg``."""
     cc, h = xc.shape
     x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
     e_desc = (None if e is None
@@ -363,7 +372,7 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
         x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
-        softcap,
+        softcap, min_count,
         E_DTYPE=tl.bfloat16 if e is not None and e.dtype == torch.bfloat16 else tl.float32,
         STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
@@ -386,11 +395,12 @@ class TileStats:
         self.w_desc = TensorDescriptor.from_tensor(p.weight, [cfg["BN"], cfg["BK"]])
 
     def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
-               with_ws: bool) -> None:
+               with_ws: bool, min_count: int = 0) -> None:
         """E over e[:len(xc), :V] (none where ``e`` is None) and the tile statistics of the
-        chunk's rows."""
+        chunk's rows (nothing where fewer than ``min_count`` rows are valid)."""
         launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.n_valid, c0, p.V, self.m, self.s,
-               self.a, self.ws, self.n_tiles, p.softcap_arg, HAS_BIAS=p.bias is not None,
+               self.a, self.ws, self.n_tiles, p.softcap_arg, min_count,
+               HAS_BIAS=p.bias is not None,
                HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
                HAS_SOFTCAP=e is None and p.softcap is not None)
 

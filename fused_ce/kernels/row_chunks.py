@@ -352,12 +352,15 @@ class _FirstTileChunk:
     GEMM, launched before the host read of the valid count: over the first min(c, N) rows of
     the stable partition ``p.row_idx`` (the valid rows first), of which the kernel computes
     those below the count it reads on the device. It runs while the host waits for the count
-    and then sets up the rest (about 0.3 ms at the BERT shapes, NOTES.md #52)."""
+    and then sets up the rest (about 0.3 ms at the BERT shapes, NOTES.md #52). Where the count
+    then rules the path out (fewer valid rows than ``min_valid_rows``: MLM), the kernel has
+    computed nothing (before, 0.3 ms of GEMM at MLM, NOTES.md #73)."""
 
     def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
         rows = min(c, p.N)
         self.d, self.ts, self.db_parts = _tile_workspace(p, rows, with_ws, need_db)
-        self.ts.logits(p, p.x.index_select(0, p.row_idx[:rows]), self.d, 0, bias, with_ws)
+        self.ts.logits(p, p.x.index_select(0, p.row_idx[:rows]), self.d, 0, bias, with_ws,
+                       min_count=logits_tiles.min_valid_rows(p))
 
 
 def _tile_workspace(p: Problem, rows: int, with_ws: bool, need_db: bool):
