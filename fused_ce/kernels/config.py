@@ -27,7 +27,9 @@ GPU = {
     # column parts (vocabulary tiles of BN / split columns). H100, same call, epilogue vs fp32
     # Z (NOTES.md #41): BERT heads 3.48-3.59 vs 3.86-4.02 ms at 8k tokens (647 vs 447 MiB:
     # one chunk), 6.73-6.94 vs 7.09-7.20 at 16k (495 vs 723 MiB), but MLM's 2458 valid rows
-    # 1.93-2.76 vs 1.77-2.34: so from min_rows valid rows on. db_*: d_tiles_kernel's tile (rows,
+    # 1.93-2.76 vs 1.77-2.34, so min_rows = 4096 valid rows for it; after #51 and #54 (the
+    # epilogue's db and slimmer tiles) MLM measured 1.37-1.53 vs 1.40-1.46 ms at 359 vs 496
+    # MiB (H100, same call, NOTES.md #75): from any count now. db_*: d_tiles_kernel's tile (rows,
     # vocabulary tiles, warps) for D with db's partial sums; (64, 4, 4), (32, 16, 8), (128, 16,
     # 8) and (64, 8, 4) within the spread on an H100 (NOTES.md #51). overlap: the next chunk's
     # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead): H100, bert16k
@@ -40,7 +42,7 @@ GPU = {
     # 25.6 ... 25.6 -> 26.1 ms), so wide heads keep 3 (NOTES.md #65)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
-                         use=True, min_rows=4096, db_rows=64, db_tiles=16, db_warps=8,
+                         use=True, min_rows=0, db_rows=64, db_tiles=16, db_warps=8,
                          overlap=True, stats_stages=4),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
@@ -54,7 +56,7 @@ GPU_WIDE = {
     # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
     # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
-    "logits_tiles": {**GPU["logits_tiles"], "min_rows": 0, "overlap": False,
+    "logits_tiles": {**GPU["logits_tiles"], "overlap": False,
                      "stats_stages": 3},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge

@@ -353,8 +353,8 @@ class _FirstTileChunk:
     the stable partition ``p.row_idx`` (the valid rows first), of which the kernel computes
     those below the count it reads on the device. It runs while the host waits for the count
     and then sets up the rest (about 0.3 ms at the BERT shapes, NOTES.md #52). Where the count
-    then rules the path out (fewer valid rows than ``min_valid_rows``: MLM), the kernel has
-    computed nothing (before, 0.3 ms of GEMM at MLM, NOTES.md #73)."""
+    then rules the path out (fewer valid rows than ``logits_tiles.min_valid_rows``), the kernel
+    has computed nothing (before, with min_rows 4096, 0.3 ms of GEMM at MLM, NOTES.md #73)."""
 
     def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
         rows = min(c, p.N)
@@ -563,8 +563,9 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
     # Where the epilogue path would serve all N rows, its first logits GEMM is launched before
     # the host read of the valid count, chunked as if every row were valid; if the count then
-    # rules the path out (fewer than min_rows valid: MLM), that GEMM's work is dropped. Not
-    # where the count is on the host already (fused_ce.prepare_targets, made early).
+    # rules the path out (fewer than a configured min_rows valid; the default is 0), that
+    # launch computed nothing. Not where the count is on the host already
+    # (fused_ce.prepare_targets, made early).
     first = None
     if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
