@@ -359,7 +359,8 @@ class _FirstTileChunk:
     def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
         rows = min(c, p.N)
         self.d, self.ts, self.db_parts = _tile_workspace(p, rows, with_ws, need_db)
-        self.ts.logits(p, p.x.index_select(0, p.row_idx[:rows]), self.d, 0, bias, with_ws,
+        self.x = p.x.index_select(0, p.row_idx[:rows])  # (its first n_valid: x's valid rows)
+        self.ts.logits(p, self.x, self.d, 0, bias, with_ws,
                        min_count=logits_tiles.min_valid_rows(p))
 
 
@@ -459,7 +460,12 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     several = triton.cdiv(nv, c) > 1
     split = split_weight(p.weight)
     rows = p.row_idx[:nv]
-    xv = p.x if nv == n else p.x.index_select(0, rows)
+    if nv == n:
+        xv = p.x
+    elif first is not None and nv <= first.x.shape[0]:  # gathered already
+        xv = first.x[:nv]
+    else:
+        xv = p.x.index_select(0, rows)
     if first is not None:
         d, ts, db_parts = first.d, first.ts, first.db_parts
     elif tiles:
