@@ -46,35 +46,41 @@ def wrap(obj, name, label=None):
     setattr(obj, name, timed(label or name, getattr(obj, name)))
 
 
+# the stages timed: (module or class, its attributes); fused_ce.linear_cross_entropy is the API
+STAGES = (
+    (fused_ce, "linear_cross_entropy"),
+    (_validation, "check_linear check_loss_options check_dtypes"),
+    (api, "_coefficients _cast_for_autocast"),
+    (ops, "mean_from_sum _sum_backward _row_loss loss_sum _plain_eager backend_for"),
+    (ops._LinearCeSum, "apply"),
+    (kernels, "forward _row_chunks row_coefs _count_read scale_into"),
+    (kernels.CountRead, "wait"),  # (the host read's wait: listed apart)
+    (problem.Problem, "__init__"),
+    (problem, "scan_targets"),
+    (row_chunks, "forward_with_grads _sweep_chunks _padded_bias gemm_f32"),
+    (row_chunks._Outputs, "__init__ zero_ignored"),
+    (row_chunks._FirstTileChunk, "__init__"),  # the speculative first-chunk GEMM
+    (row_chunks.finish_rows_kernel, "run"),  # its launch
+)
+
+
 def instrument():
-    wrap(fused_ce, "linear_cross_entropy", "api.linear_cross_entropy")
-    for name in ("check_linear", "check_loss_options", "check_dtypes"):
-        wrap(_validation, name, "check." + name)
-    wrap(api, "_coefficients", "api._coefficients")
-    wrap(ops, "mean_from_sum", "ops.mean_from_sum")
-    wrap(ops, "_sum_backward", "ops._sum_backward")
-    wrap(ops, "_row_loss", "ops._row_loss")
-    wrap(ops, "loss_sum", "ops.loss_sum")
-    wrap(ops, "_plain_eager", "ops._plain_eager")
-    wrap(ops, "backend_for", "ops.backend_for")
-    wrap(ops._LinearCeSum, "apply", "ops._LinearCeSum.apply")
-    wrap(api, "_cast_for_autocast", "api._cast_for_autocast")
-    wrap(kernels, "forward", "kernels.forward")
-    wrap(kernels, "_row_chunks", "kernels._row_chunks")
-    wrap(kernels, "row_coefs", "gradients.row_coefs")
-    wrap(kernels, "_count_read", "kernels._count_read")
-    wrap(kernels, "scale_into", "scale.scale_into")
-    wrap(kernels.CountRead, "wait", "WAIT CountRead.wait")
-    wrap(problem.Problem, "__init__", "Problem.__init__")
-    wrap(problem, "scan_targets", "targets.scan_targets")
-    wrap(row_chunks, "forward_with_grads", "row_chunks.forward_with_grads")
-    wrap(row_chunks, "_sweep_chunks", "row_chunks._sweep_chunks")
-    wrap(row_chunks, "_padded_bias", "row_chunks._padded_bias")
-    wrap(row_chunks, "gemm_f32", "row_chunks.gemm_f32")
-    wrap(row_chunks._Outputs, "__init__", "row_chunks._Outputs.__init__")
-    wrap(row_chunks._Outputs, "zero_ignored", "row_chunks._Outputs.zero_ignored")
-    wrap(row_chunks.finish_rows_kernel, "run", "finish_rows_kernel launch")
-    wrap(row_chunks._FirstTileChunk, "__init__", "row_chunks._FirstTileChunk (speculative GEMM)")
+    for obj, names in STAGES:
+        where = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+        for name in names.split():
+            label = f"{where.replace('fused_ce.', '')}.{name}"
+            wrap(obj, name, ("WAIT " if label == "CountRead.wait" else "") + label)
+
+
+def step_seconds(params, loss_fn) -> tuple[float, float]:
+    """Host seconds of one ``loss_fn()`` (the gradients cleared first) and of its backward."""
+    for p in params:
+        p.grad = None
+    t0 = time.perf_counter()
+    loss = loss_fn()
+    t1 = time.perf_counter()
+    loss.backward()
+    return t1 - t0, time.perf_counter() - t1
 
 
 def stages(shape: str, steps: int):
@@ -86,17 +92,11 @@ def stages(shape: str, steps: int):
     for i in range(steps + 10):
         SPENT.clear()
         CALLS.clear()
-        t0 = time.perf_counter()
-        for p in params:
-            p.grad = None
-        loss = fn()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
+        f_s, b_s = step_seconds(params, fn)
         if i >= 10:
-            walls.append(t2 - t0)
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+            walls.append(f_s + b_s)
+            fwd.append(f_s)
+            bwd.append(b_s)
             for k, v in SPENT.items():
                 per_step[k].append((v, CALLS[k]))
     torch.cuda.synchronize()
@@ -143,18 +143,7 @@ def op_costs(reps: int = 300):
         "torch.cuda.Event().record()": lambda: torch.cuda.Event().record(),
         "pinned torch.empty(2)": lambda: torch.empty(2, dtype=torch.int32, pin_memory=True),
     }
-    print("\n=== host us per call (median of %d, no synchronize)" % reps)
-    for name, f in cases.items():
-        for _ in range(20):
-            f()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        print(f"  {1e6 * statistics.median(times):8.1f}  {name}")
+    print_host_us("host us per call", cases, reps)
 
 
 def gemm_costs(reps: int = 200):
@@ -184,7 +173,13 @@ def gemm_costs(reps: int = 200):
                                                                    accumulate=True),
         "gemm_f32 dW": lambda: row_chunks.gemm_f32(d[:, :v64].t(), x, dw[:v64]),
     }
-    print("\n=== host us per GEMM call (median of %d, no synchronize)" % reps)
+    print_host_us("host us per GEMM call", cases, reps)
+
+
+def print_host_us(title: str, cases: dict, reps: int):
+    """Median host microseconds of each call (after a warm-up; the GPU is synchronized every
+    20 calls only, so that its launch queue stays short)."""
+    print(f"\n=== {title} (median of {reps}, no synchronize)")
     for name, f in cases.items():
         for _ in range(5):
             f()
@@ -195,7 +190,7 @@ def gemm_costs(reps: int = 200):
             f()
             times.append(time.perf_counter() - t0)
             if len(times) % 20 == 0:
-                torch.cuda.synchronize()  # (keeps the launch queue short)
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         print(f"  {1e6 * statistics.median(times):8.1f}  {name}")
 
@@ -232,16 +227,10 @@ def engine_costs(reps: int = 200):
     for name, make in (("Function alone", plain), ("Function / d + where term", mean)):
         fwd, bwd = [], []
         for i in range(reps + 10):
-            for p in (x, w, b):
-                p.grad = None
-            t0 = time.perf_counter()
-            loss = make()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
+            f_s, b_s = step_seconds((x, w, b), make)
             if i >= 10:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+                fwd.append(f_s)
+                bwd.append(b_s)
             if i % 20 == 0:
                 torch.cuda.synchronize()
         print(f"  forward {1e6 * statistics.median(fwd):7.1f}  backward "
