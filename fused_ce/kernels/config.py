@@ -29,7 +29,7 @@ GPU = {
     # one chunk), 6.73-6.94 vs 7.09-7.20 at 16k (495 vs 723 MiB), but MLM's 2458 valid rows
     # 1.93-2.76 vs 1.77-2.34, so min_rows = 4096 valid rows for it; after #51 and #54 (the
     # epilogue's db and slimmer tiles) MLM measured 1.37-1.53 vs 1.40-1.46 ms at 359 vs 496
-    # MiB (H100, same call, NOTES.md #75): from any count now. db_*: d_tiles_kernel's tile (rows,
+    # MiB (H100, same call, NOTES.md #76): from any count now. db_*: d_tiles_kernel's tile (rows,
     # vocabulary tiles, warps) for D with db's partial sums; (64, 4, 4), (32, 16, 8), (128, 16,
     # 8) and (64, 8, 4) within the spread on an H100 (NOTES.md #51). overlap: the next chunk's
     # GEMM on a second stream beside a chunk's D pass (row_chunks._GemmAhead): H100, bert16k
@@ -136,7 +136,7 @@ _PROPERTIES = {}
 
 def _properties(device: torch.device):
     """The CUDA device's properties, asked once per device (torch asks the driver on every
-    ``get_device_capability``: ~20 us of host time per loss call, NOTES.md #72)."""
+    ``get_device_capability``: ~20 us of host time, twice per loss call, NOTES.md #72)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PROPERTIES:
         _PROPERTIES[idx] = torch.cuda.get_device_properties(idx)

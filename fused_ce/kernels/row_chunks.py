@@ -27,13 +27,14 @@ by the upstream gradient and rounds each element once (scale.py). Rounded here a
 there, a gradient would be rounded twice: on the H200 with an upstream gradient of 0.37, dX's
 error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
 
-Where logits_tiles.applicable (bf16, no softcap; by default from 4096 valid rows, any count
-for wide heads), the first two steps are instead a Triton logits GEMM whose epilogue writes
+Where logits_tiles.applicable (bf16, no softcap, TMA-addressable x and W; by default at any
+valid count), the first two steps are instead a Triton logits GEMM whose epilogue writes
 E = exp(z - tile max) and the tiles' statistics, and a per-row kernel that writes the
 statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and half the
 workspace per row). Where all N rows would take that path, its first chunk's GEMM is launched
 before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
-host waits and sets up; it is dropped if the count rules the path out. With the tile
+host waits and sets up (where a configured min_rows and the count rule the path out, that
+kernel computes nothing and the chunk is dropped). With the tile
 configuration's "overlap" (on at BERT-class heads, config.py), each next chunk's GEMM runs on
 a second stream beside a chunk's memory-bound statistics and D pass (_GemmAhead).
 
@@ -354,7 +355,7 @@ class _FirstTileChunk:
     those below the count it reads on the device. It runs while the host waits for the count
     and then sets up the rest (about 0.3 ms at the BERT shapes, NOTES.md #52). Where the count
     then rules the path out (fewer valid rows than ``logits_tiles.min_valid_rows``), the kernel
-    has computed nothing (before, with min_rows 4096, 0.3 ms of GEMM at MLM, NOTES.md #73)."""
+    has computed nothing (before, with min_rows 4096, 0.3 ms of GEMM at MLM, NOTES.md #74)."""
 
     def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
         rows = min(c, p.N)
@@ -533,7 +534,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 out.db32[0] += db_parts[:n_parts].sum(0)
         elif out.db32 is not None:  # column sums of D as a (1 x cc') @ D product into fp32
             # over all v_pad columns (D is 0 past V): cuBLAS's kernel for the 30522 columns of
-            # BERT's head took 124 us, for 30528 74 us (H100, MLM's rows, NOTES.md #74)
+            # BERT's head took 124 us, for 30528 74 us (H100, MLM's rows, NOTES.md #75)
             k = _db_rows(cc)
             gemm_f32(ones[:, :k], d[:k, :v_pad], out.db32, alpha=inv_scale, accumulate=c0 > 0)
         if tiles and ahead.on:
