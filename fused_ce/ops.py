@@ -108,10 +108,9 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         check_targets=True, round_grads=False, **extra)
     loss = _row_loss(stats, coefs, with_weighted_sum).sum()
     if mean_divisor is not None:
-        # mean_from_sum without autograd, whose two recorded ops and backward nodes cost ~0.1
-        # ms of host time per call (NOTES.md #73); the backward divides the upstream gradient
-        loss = loss / mean_divisor
-        loss.masked_fill_(mean_d == 0, math.nan)
+        # 'mean' here, outside autograd, whose recorded ops and backward nodes cost ~0.1 ms of
+        # host time per call (NOTES.md #73); the backward divides the upstream gradient
+        loss = mean_from_sum(loss, mean_d, mean_divisor)
     grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
 
