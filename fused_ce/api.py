@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from fused_ce import _validation as check
 from fused_ce import ops
-from fused_ce.reference import GradCoefs
+from fused_ce.reference import GradCoefs, mean_from_sum
 
 
 class LinearCrossEntropyStats(NamedTuple):
@@ -135,8 +135,8 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
 
     Returns (coefficients, the 'mean' denominator d of the nll part, the divisor applied to the
     summed loss: d (1 where d is 0); both None unless 'mean'). 'mean' is left to that
-    division (``ops.mean_from_sum``; the upstream gradient divided by it reaches the op's one
-    rounding): the coefficients are 'sum''s, 1 (or w[t_i]) and not 1/n, and the z-loss's is
+    division (``reference.mean_from_sum``; the upstream gradient divided by it reaches the op's
+    one rounding): the coefficients are 'sum''s, 1 (or w[t_i]) and not 1/n, and the z-loss's is
     multiplied by d, so that a 16-bit D's target entries (p - 1) * coefficient are not all
     rounded by the same relative error of 1/n, an error that dX and dW would inherit row for
     row (up to 2^-9: dX 2.7e-3 instead of 1.7e-3 against fp64 at n = 614, NOTES.md #64).
@@ -257,7 +257,7 @@ def linear_cross_entropy(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
             loss = rows.reshape(target.shape) if reduction == "none" else rows.sum()
             if reduction == "mean":
-                loss = ops.mean_from_sum(loss, d_nll, divisor)
+                loss = mean_from_sum(loss, d_nll, divisor)
         else:
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]

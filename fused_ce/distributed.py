@@ -66,7 +66,7 @@ from fused_ce import _validation as check
 from fused_ce import ops
 from fused_ce._dispatch import backend_for
 from fused_ce.api import _cast_for_autocast, _coefficients, _stats
-from fused_ce.reference import GradCoefs, accumulation_dtype
+from fused_ce.reference import GradCoefs, accumulation_dtype, mean_from_sum
 
 __all__ = ["VocabParallel", "vocab_parallel_cross_entropy", "shard_bounds"]
 
@@ -459,7 +459,7 @@ def vocab_parallel_cross_entropy(
     else:
         loss = rows.sum()
         if reduction == "mean":
-            loss = ops.mean_from_sum(loss, d_nll, divisor)
+            loss = mean_from_sum(loss, d_nll, divisor)
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)

@@ -9,12 +9,13 @@ Both loss ops check that every target is ``ignore_index`` or a column of the wei
 otherwise, before any gradient exists): the backend does it at its one host synchronization.
 Two ops, chosen by how the upstream gradient is shaped:
 
-* ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``, or its 'mean' (``mean_from_sum``) when given
-  the mean's denominator and divisor. When gradients are needed they are computed in
-  the forward pass for an upstream gradient of 1 (three GEMMs, no second sweep), kept in their
-  accumulation dtype (fp32 for 16-bit parameters), and in the backward multiplied by the actual
-  scalar upstream gradient and rounded once into the parameters' dtypes: the same single
-  rounding as a loss whose upstream gradient is known.
+* ``fused_ce::linear_ce_sum`` -- ``sum_i loss_i``, or its 'mean' (``reference.mean_from_sum``)
+  when given the mean's denominator and divisor (both by the backend's ``total_loss``). When
+  gradients are needed they are computed in the forward pass for an upstream gradient of 1
+  (three GEMMs, no second sweep), kept in their accumulation dtype (fp32 for 16-bit
+  parameters), and in the backward multiplied by the actual scalar upstream gradient and
+  rounded once into the parameters' dtypes: the same single rounding as a loss whose upstream
+  gradient is known.
 * ``fused_ce::linear_ce_rows`` -- ``loss_i`` per row (reduction 'none', and every reduction
   with ``low_memory``, whose gradient buffers are its parameters' dtypes: no fp32 copies held
   from the forward to the backward). The backward recomputes the logits with the saved lse and
@@ -25,7 +26,6 @@ Two ops, chosen by how the upstream gradient is shaped:
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -68,13 +68,6 @@ def _empty(like: Optional[Tensor], n: int = 0) -> Tensor:
 
 # --------------------------------------------------------------------------- sum of row losses
 
-def mean_from_sum(loss: Tensor, d_nll: Tensor, divisor: Tensor) -> Tensor:
-    """'mean' from a summed loss and ``api._coefficients``' denominator and divisor: the sum
-    divided by the divisor, nan where the denominator is 0 (torch: 0/0 when no target is
-    valid; the gradients stay zero)."""
-    return loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
-
-
 def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                   class_weight: Optional[Tensor], coef_target: Tensor, coef_smooth: Tensor,
                   coef_prob: Tensor, coef_lse_sq: Tensor, ignore_index: int,
@@ -82,9 +75,9 @@ def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
                   need_db: bool, mean_d: Optional[Tensor] = None,
                   mean_divisor: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(sum of row losses, or ``mean_from_sum(sum, mean_d, mean_divisor)`` when those are given,
-    lse, argmax, dx, dw, db); a gradient not asked for is empty, the others for an upstream
-    gradient of 1 on the sum, unrounded, in the accumulation dtype (fp32 for 16-bit
+    """(sum of row losses, or ``reference.mean_from_sum(sum, mean_d, mean_divisor)`` when those
+    are given, lse, argmax, dx, dw, db); a gradient not asked for is empty, the others for an
+    upstream gradient of 1 on the sum, unrounded, in the accumulation dtype (fp32 for 16-bit
     parameters)."""
     return _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
                    coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw,
@@ -106,11 +99,9 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
         with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
         need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
         check_targets=True, round_grads=False, **extra)
-    loss = _row_loss(stats, coefs, with_weighted_sum).sum()
-    if mean_divisor is not None:
-        # 'mean' here, outside autograd, whose recorded ops and backward nodes cost ~0.1 ms of
-        # host time per call (NOTES.md #73); the backward divides the upstream gradient
-        loss = mean_from_sum(loss, mean_d, mean_divisor)
+    # 'mean' here, outside autograd, whose recorded ops and backward nodes cost ~0.1 ms of host
+    # time per call (NOTES.md #73); the backward divides the upstream gradient
+    loss = backend.total_loss(_row_loss(stats, coefs, with_weighted_sum), mean_d, mean_divisor)
     grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
     return (loss, _own(stats.lse), _own(stats.argmax), *grads)
 

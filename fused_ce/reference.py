@@ -48,6 +48,8 @@ in the dtype of its input.
   earlier ``forward``; used when the upstream gradient is per row, and by the vocab-parallel path
   whose lse is global).
 * ``log_softmax(x, weight, bias)`` returns ``log_softmax(x @ W.T + b)`` in ``x``'s dtype.
+* ``total_loss(rows, mean_d, mean_divisor)`` returns the row losses' sum, or its 'mean'
+  (``mean_from_sum``) when given the mean's denominator and divisor.
 * ``scaled_grads(grads, dtypes, g)`` returns each gradient times the scalar ``g`` (the loss's
   upstream gradient, in the loss's dtype) in the given dtype: the product in the wider of the
   two precisions, rounded once; in place where a gradient already has its dtype.
@@ -66,6 +68,7 @@ and dW is read and written once per block rather than once per handful of rows.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -482,6 +485,21 @@ def rounded_grads(grads, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> t
     """(dx, dw, db) in their parameters' dtypes (grad_dtypes); None stays None."""
     return tuple(g if g is None or g.dtype == dt else g.to(dt)
                  for g, dt in zip(grads, grad_dtypes(x, weight, bias)))
+
+
+def mean_from_sum(loss: Tensor, d_nll: Tensor, divisor: Tensor) -> Tensor:
+    """'mean' from a summed loss and ``api._coefficients``' denominator and divisor: the sum
+    divided by the divisor, nan where the denominator is 0 (torch: 0/0 when no target is
+    valid; the gradients stay zero)."""
+    return loss / divisor + torch.where(d_nll == 0, math.nan, 0.0).to(loss.dtype)
+
+
+def total_loss(rows: Tensor, mean_d: Optional[Tensor] = None,
+               mean_divisor: Optional[Tensor] = None) -> Tensor:
+    """``rows.sum()``, or ``mean_from_sum`` of it when the mean's denominator and divisor are
+    given."""
+    loss = rows.sum()
+    return loss if mean_divisor is None else mean_from_sum(loss, mean_d, mean_divisor)
 
 
 def scaled_grads(grads, dtypes, g: Tensor) -> list:

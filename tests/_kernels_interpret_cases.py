@@ -987,12 +987,13 @@ def _scan_expected(t, v):
     return row_idx, [int(valid.sum()), int(bad.sum())]
 
 
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100, 333])  # blocks of 16: several loop steps
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 40, 41, 100, 333])
 @pytest.mark.parametrize("ignored", [0.0, 0.4, 1.0])
 def test_scan_targets(n, ignored):
     """targets.scan_targets: the stable partition (valid rows first, each part in order) and
     the two counts, against torch's stable argsort, across block boundaries (interpreter
-    blocks: 16 rows, block counts summed 2 at a time)."""
+    configuration: up to 40 rows one program in steps of 8; beyond, blocks of 16 rows whose
+    counts are summed 2 at a time)."""
     from fused_ce.kernels.targets import scan_targets
     g = _gen()
     v = 37
@@ -1039,6 +1040,35 @@ def test_scaled_grads_round_once(sizes):
     for out, s, exp, inplace in zip(got, src, want, same):
         assert out.dtype == exp.dtype and torch.equal(out, exp)
         assert (out is s) == inplace
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 61])
+@pytest.mark.parametrize("mean", [False, True])
+def test_total_loss_is_the_sum_or_its_mean(n, mean):
+    """kernels.total_loss (one program, 8-row steps in the interpreter config): the row losses'
+    sum against fp64 (row counts around the step), its 'mean' divided by the divisor exactly as
+    reference.mean_from_sum divides it (bitwise); nan where the denominator is 0 and where a
+    row is nan; the reference's fallback for fp64 rows."""
+    g = _gen()
+    rows = torch.randn(n, generator=g) * 1e3 + 5e3
+    d = torch.tensor(float(torch.randint(1, 9, (), generator=g)))
+    args = (d, d.clamp_min(1)) if mean else ()
+    got = kernels.total_loss(rows, *args)
+    total = rows.double().sum()
+    want64 = total / d.double() if mean else total
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert abs(float(got) - float(want64)) <= 1e-6 * abs(float(want64))
+    if mean:
+        # the division itself as torch does it (correctly rounded): from the kernel's own sum
+        own_sum = kernels.total_loss(rows)
+        assert torch.equal(got, reference.mean_from_sum(own_sum, *args))
+        zero = torch.tensor(0.0)
+        assert torch.isnan(kernels.total_loss(torch.zeros(n), zero, zero.clamp_min(1)))
+    args64 = [a.double() for a in args]
+    assert torch.equal(kernels.total_loss(rows.double(), *args64),
+                       reference.total_loss(rows.double(), *args64))
+    rows[n // 2] = float("nan")
+    assert torch.isnan(kernels.total_loss(rows, *args))
 
 
 def test_api_gradients_rounded_once(grad_path, monkeypatch):

@@ -20,6 +20,8 @@
   ``z - m_t`` (tile max) and a per-row kernel writes ``z - lse``; fp16: fp32 cuBLAS logits in
   row chunks, then one Triton kernel per chunk writing ``z - lse`` (row_chunks.py); otherwise
   the statistics sweep, then a sweep writing ``z - lse`` (log_probs.py).
+* ``total_loss``: the sum op's loss from the row losses (and 'mean') in one launch
+  (total_loss.py).
 * ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the forward's
   unrounded (fp32, ``round_grads=False``) gradients once into their dtypes, in one launch
   (scale.py). The sweeps then store each finished dW chunk in fp32 instead of rounding it.
@@ -49,8 +51,10 @@ from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_stats import combine, row_stats_kernel
 from fused_ce.kernels.scale import scalable, scale_into
 from fused_ce.kernels.targets import scan_targets as _scan
+from fused_ce.kernels.total_loss import total_loss
 
-__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets", "scaled_grads"]
+__all__ = ["forward", "backward", "log_softmax", "supports", "scan_targets", "scaled_grads",
+           "total_loss"]
 
 
 def supports(x: Tensor) -> bool:

@@ -17,10 +17,14 @@ GPU = {
     # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound; 8 warps measured
     # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
     "row_finish": dict(BLOCK_V=2048, num_warps=8),
-    # targets.py: rows per program of the target scan, block counts summed per step
-    "scan": dict(BLOCK=1024, PART_BLOCK=1024),
+    # targets.py: rows per program of the target scan, block counts summed per step; up to
+    # ONE_PROGRAM_ROWS rows one program in ONE_BLOCK-row steps
+    "scan": dict(BLOCK=1024, PART_BLOCK=1024, ONE_PROGRAM_ROWS=65536, ONE_BLOCK=4096,
+                 one_warps=8),
     # scale.py: elements per program of the backward's in-place gradient scaling
     "scale": dict(BLOCK=4096, num_warps=4),
+    # total_loss.py: rows per step of the one-program sum of the row losses
+    "total_loss": dict(BLOCK=4096, num_warps=8),
     # logits_tiles.py: the persistent logits GEMM with the softmax epilogue (one program per
     # SM), and the per-row finish over TILES vocabulary tiles per step; "use": the row-chunk
     # path's default logits (else cuBLAS fp32 Z + finish_rows_kernel); split: the epilogue's
@@ -66,8 +70,9 @@ INTERPRETER = {
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
     "row_finish": dict(BLOCK_V=32, num_warps=1),
-    "scan": dict(BLOCK=16, PART_BLOCK=2),
+    "scan": dict(BLOCK=16, PART_BLOCK=2, ONE_PROGRAM_ROWS=40, ONE_BLOCK=8, one_warps=1),
     "scale": dict(BLOCK=16, num_warps=1),
+    "total_loss": dict(BLOCK=8, num_warps=1),
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
                          split=2, finish_tiles=2, finish_warps=1, finish_block_h=16, programs=3,
                          use=False, min_rows=0, db_rows=3, db_tiles=2, db_warps=1,

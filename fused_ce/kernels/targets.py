@@ -11,7 +11,9 @@ original order. Block b's rows go to::
 
 so ``count_kernel`` writes per-block counts and ``place_kernel`` sums the earlier blocks' counts
 (a loop over the block counts: O(N / BLOCK) per program) and the exclusive cumulative sums
-within its block. Deterministic: no atomics.
+within its block. Up to the configuration's ``ONE_PROGRAM_ROWS`` rows one program does both in
+turn instead (``scan_kernel``: one launch, ~28 us of host time less, NOTES.md #79).
+Deterministic: no atomics.
 """
 
 from __future__ import annotations
@@ -67,6 +69,32 @@ def place_kernel(target_ptr, part_ptr, row_idx_ptr, counts_ptr, N, V, ignore_ind
         tl.store(counts_ptr + 1, bad)
 
 
+@triton.jit
+def scan_kernel(target_ptr, row_idx_ptr, counts_ptr, N, V, ignore_index, BLOCK: tl.constexpr):
+    """row_idx and counts (module doc) by one program: a pass counting the valid rows, then a
+    pass placing each block's rows after the blocks before it."""
+    lanes = tl.arange(0, BLOCK)
+    total = 0
+    bad = 0
+    for b0 in range(0, N, BLOCK):
+        _, valid, is_bad = _flags(target_ptr, b0 + lanes, N, V, ignore_index)
+        total += tl.sum(valid.to(tl.int32), 0)
+        bad += tl.sum(is_bad.to(tl.int32), 0)
+    before = 0  # valid rows in the blocks before
+    for b0 in range(0, N, BLOCK):
+        offs = b0 + lanes
+        in_range, valid, _ = _flags(target_ptr, offs, N, V, ignore_index)
+        v = valid.to(tl.int32)
+        ign = (in_range & ~valid).to(tl.int32)
+        pos_valid = before + tl.cumsum(v, 0) - v
+        pos_ignored = total + (b0 - before) + tl.cumsum(ign, 0) - ign
+        pos = tl.where(valid, pos_valid, pos_ignored)
+        tl.store(row_idx_ptr + pos, offs.to(tl.int64), mask=in_range)
+        before += tl.sum(v, 0)
+    tl.store(counts_ptr, total)
+    tl.store(counts_ptr + 1, bad)
+
+
 def scan_targets(target: torch.Tensor, ignore_index: int, vocab: int, cfg: dict):
     """(row_idx int64 (N,), counts int32 (2,) = [n_valid, n_out_of_range]) of a contiguous
     target vector (module doc); ``cfg``: config's "scan" entry (rows per program, block counts
@@ -76,6 +104,10 @@ def scan_targets(target: torch.Tensor, ignore_index: int, vocab: int, cfg: dict)
     counts = torch.empty(2, dtype=torch.int32, device=target.device)
     if n == 0:
         return row_idx, counts.zero_()
+    if n <= cfg["ONE_PROGRAM_ROWS"]:
+        scan_kernel[(1,)](target, row_idx, counts, n, vocab, ignore_index,
+                          BLOCK=cfg["ONE_BLOCK"], num_warps=cfg["one_warps"])
+        return row_idx, counts
     block, part_block = cfg["BLOCK"], cfg["PART_BLOCK"]
     n_blocks = triton.cdiv(n, block)
     part = torch.empty(2 * n_blocks, dtype=torch.int32, device=target.device)
