@@ -290,7 +290,8 @@ def padded_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_bias(bias, v_pad: int, device) -> torch.Tensor:
-    """The bias in fp32, zero past V, so that the kernel's loads of [0, VPAD) are in bounds."""
+    """The bias in fp32, zero past V, so that finish_rows_kernel's loads of [0, VPAD) are in
+    bounds (the epilogue path's kernels take the bias as given)."""
     bp = torch.zeros(v_pad, dtype=torch.float32, device=device)
     if bias is not None:
         bp[:bias.shape[0]] = bias
@@ -420,7 +421,7 @@ class _GemmAhead:
         else:
             self.main = self.side = _NoStream()
             self.on_side = lambda: self.side
-        self.side.wait_stream(self.main)  # x's gathered rows, the count, the padded bias
+        self.side.wait_stream(self.main)  # x's gathered rows, the count
         self.freed = [None, None]  # per buffer: its last reader's products are done
         self.ready = None  # the GEMM of the chunk about to be finished is done
         self.i = 0
@@ -448,7 +449,7 @@ class _GemmAhead:
         self.i += 1
 
 
-def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp, ones,
+def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp,
                   out: _Outputs, tiles: bool, first):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
     freed on return), with the epilogue logits where ``tiles``; ``first``: a _FirstTileChunk
@@ -475,6 +476,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
         ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, several)
     else:
         db_parts = None
+        # db's product's row of ones (the epilogue path sums db_parts instead)
+        ones = (torch.ones((1, _db_rows(min(c, nv))), dtype=p.x.dtype, device=dev)
+                if out.db32 is not None else None)
         # Z: fp32 logits in columns [0, V) of rows v_pad wide (columns past V: zeros from a
         # padded W, or never written; the kernel reads them, aligned, and masks them out; rows
         # rounded up for the db product: DB_ROWS_ALIGN)
@@ -563,8 +567,6 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     n, v, h, dev = p.N, p.V, p.H, p.device
     v_pad = padded_vocab(v)
     out = _Outputs(p, lse_in, need_dx)
-    bp = _padded_bias(p.bias, v_pad, dev) if p.bias is not None else p.bias_arg
-    ones = torch.ones((1, _db_rows(n)), dtype=p.x.dtype, device=dev) if need_db else None
     # the backward's rounded copies of dW and dX (none for fp32: scaled in place): Z may be
     # as large (row_chunk_budget)
     grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
@@ -576,10 +578,13 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     first = None
     if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
-        first = _FirstTileChunk(p, c, with_ws, need_db, bp)
+        first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg)
     d_scale = read()
     nv = p.n_valid_host
     tiles = logits_tiles.applicable(p, lse_in, nv)
+    # the epilogue kernels read the bias as given (masked past V), finish_rows_kernel an fp32
+    # copy padded to v_pad
+    bp = p.bias_arg if tiles or p.bias is None else _padded_bias(p.bias, v_pad, dev)
     if first is not None and tiles:
         n_chunks = triton.cdiv(nv, c)
     else:
@@ -595,7 +600,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
-                      lse_in is not None, bp, ones, out, tiles, first)
+                      lse_in is not None, bp, out, tiles, first)
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
         for g in (out.dw32, out.db32):
