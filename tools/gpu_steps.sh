@@ -4,7 +4,8 @@
 #   ab              bench methods AB_METHODS (fused_ce,kernels), session start vs now, in the
 #                   order AB_ORDER (old new old new) in one call, AB_TIMEOUT s each (60) (new is
 #                   this tree, any other name NAME the tree in ab_NAME/: mkdir ab_old && git
-#                   archive REV | tar -x -C ab_old)
+#                   archive REV | tar -x -C ab_old); AB_PREFIX: a command each run goes
+#                   through (e.g. "taskset -c 5": one core, less spread between runs)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
@@ -42,7 +43,7 @@ for step in ${STEPS:-finish ab tests}; do case $step in
 finish) timeout 200 python3 tools/probe_rowchunks.py --finish-only --shapes none 2>&1 \
           | grep -v Warn | tee "$OUT/finish.log" ;;
 ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
-      echo "== $v"; timeout ${AB_TIMEOUT:-60} python3 $d/benchmarks/bench.py --out /tmp/ab $B \
+      echo "== $v"; timeout ${AB_TIMEOUT:-60} $AB_PREFIX python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;

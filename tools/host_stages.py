@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench  # noqa: E402
 import fused_ce  # noqa: E402
 from fused_ce import _validation, api, kernels, ops  # noqa: E402
-from fused_ce.kernels import problem, row_chunks, scale  # noqa: E402
+from fused_ce.kernels import config, logits_tiles, problem, row_chunks, scale  # noqa: E402
 
 SPENT = collections.defaultdict(float)
 CALLS = collections.Counter()
@@ -51,17 +51,29 @@ STAGES = (
     (fused_ce, "linear_cross_entropy"),
     (_validation, "check_linear check_loss_options check_dtypes"),
     (api, "_coefficients _cast_for_autocast"),
-    (ops, "mean_from_sum _sum_backward _row_loss loss_sum _plain_eager backend_for"),
+    (ops, "_sum_backward _row_loss loss_sum _plain_eager backend_for"),
     (ops._LinearCeSum, "apply"),
-    (kernels, "forward _row_chunks row_coefs _count_read scale_into"),
-    (kernels.CountRead, "wait"),  # (the host read's wait: listed apart)
+    (kernels, "forward _row_chunks row_coefs _count_read scale_into total_loss"),
+    (kernels.CountRead, "wait __init__"),  # (the host read's wait: listed apart)
     (problem.Problem, "__init__"),
     (problem, "scan_targets"),
-    (row_chunks, "forward_with_grads _sweep_chunks _padded_bias gemm_f32"),
+    (row_chunks, "forward_with_grads _sweep_chunks _padded_bias gemm_f32 _tile_workspace"),
+    (logits_tiles.TileStats, "__init__ logits finish"),
+    (logits_tiles, "launch"),
     (row_chunks._Outputs, "__init__ zero_ignored"),
     (row_chunks._FirstTileChunk, "__init__"),  # the speculative first-chunk GEMM
-    (row_chunks.finish_rows_kernel, "run"),  # its launch
 )
+
+
+def triton_kernels():
+    """(module name, kernel name, JITFunction) of every Triton kernel of fused_ce.kernels."""
+    import triton
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("fused_ce.kernels.") or mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                yield mod_name.rsplit(".", 1)[1], name, obj
 
 
 def instrument():
@@ -70,6 +82,11 @@ def instrument():
         for name in names.split():
             label = f"{where.replace('fused_ce.', '')}.{name}"
             wrap(obj, name, ("WAIT " if label == "CountRead.wait" else "") + label)
+    seen = set()
+    for mod_name, name, fn in triton_kernels():  # each launch's host time
+        if id(fn) not in seen:
+            seen.add(id(fn))
+            wrap(fn, "run", f"launch {mod_name}.{name}")
 
 
 def step_seconds(params, loss_fn) -> tuple[float, float]:
@@ -125,6 +142,7 @@ def op_costs(reps: int = 300):
     idx = torch.randperm(2048, device=dev)
     src = torch.randn(4096, device=dev)
     g = torch.ones(1, device=dev)
+    counts = torch.zeros(2, dtype=torch.int32, device=dev)
     cases = {
         "torch.empty(n)": lambda: torch.empty(n, device=dev),
         "torch.zeros(n)": lambda: torch.zeros(n, device=dev),
@@ -142,6 +160,11 @@ def op_costs(reps: int = 300):
         "scale_into (one 4096 fp32 tensor)": lambda: scale.scale_into([src], [torch.bfloat16], g),
         "torch.cuda.Event().record()": lambda: torch.cuda.Event().record(),
         "pinned torch.empty(2)": lambda: torch.empty(2, dtype=torch.int32, pin_memory=True),
+        "kernels.total_loss (n rows, mean)": lambda: kernels.total_loss(vf, d, d),
+        "kernels.scan_targets (n rows)": lambda: kernels.scan_targets(t, -100, v),
+        "kernels.CountRead(counts)": lambda: kernels.CountRead(counts),
+        "ops.backend_for(x)": lambda: ops.backend_for(x),
+        "config.capability(x.device)": lambda: config.capability(x.device),
     }
     print_host_us("host us per call", cases, reps)
 
