@@ -18,9 +18,12 @@ GPU = {
     # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
     "row_finish": dict(BLOCK_V=2048, num_warps=8),
     # targets.py: rows per program of the target scan, block counts summed per step; up to
-    # ONE_PROGRAM_ROWS rows one program in ONE_BLOCK-row steps
-    "scan": dict(BLOCK=1024, PART_BLOCK=1024, ONE_PROGRAM_ROWS=65536, ONE_BLOCK=4096,
-                 one_warps=8),
+    # ONE_PROGRAM_ROWS rows one program in ONE_BLOCK-row steps. GPU time (H100, 15 % valid,
+    # tools/probe_scan.py): two launches 3.9-4.2 us at 4k-64k rows; one program (8192 rows x
+    # 16 warps) 9.3 us at 4k, 20.0 at 16k, 82 at 64k. One launch is ~28 us of host time less
+    # (NOTES.md #79): worth it where the step waits for the host (MLM), up to 16k rows
+    "scan": dict(BLOCK=1024, PART_BLOCK=1024, ONE_PROGRAM_ROWS=16384, ONE_BLOCK=8192,
+                 one_warps=16),
     # scale.py: elements per program of the backward's in-place gradient scaling
     "scale": dict(BLOCK=4096, num_warps=4),
     # total_loss.py: rows per step of the one-program sum of the row losses
