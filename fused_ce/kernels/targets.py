@@ -1,5 +1,5 @@
 """One scan of the targets: the valid rows compacted in order, their count and the count of
-out-of-range targets, in two launches and no host synchronization.
+out-of-range targets, in one or two launches and no host synchronization.
 
 A row is valid when its target is not ``ignore_index``; a valid target outside ``[0, V)`` is
 out of range (an error, or a column of another shard in the vocab-parallel path). The order of
