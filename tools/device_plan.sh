@@ -4,7 +4,9 @@
 # the GPU tests and the table without eager at the BERT shapes, shorter; PART=short what ~450 s
 # allow (an H200's table, else the tests and one A/B); PART=fit ~500 s (the tests first,
 # then as short); PART=mini ~190 s of it; PART=exp
-# the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end).
+# the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end); PART=start
+# a session's first call (~300 s): on an H200 its headline rows with torch.compile, else the
+# GPU tests, the MLM step's host stages and its kernels (twenty-sixth session).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -39,6 +41,15 @@ short) case "$gpu" in  # what ~450 s allow: the H200's table without eager and C
 fit) case "$gpu" in  # ~500 s: the GPU tests, then the H200's table without eager and Cut CE
     *H200*) tests; h200_rows 170 150 llama3,gemma2 ;;
     *) tests; stats_stages_ab 1 ;;
+    esac ;;
+start) case "$gpu" in
+    *H200*) STEPS=bench BENCH_TIMEOUT=200 BENCH_SHAPES=bert8k,mlm,bert16k,mlm_eval \
+        BENCH_METHODS=fused_ce,compile,floor bash tools/gpu_steps.sh ;;
+    *) tests
+      PYTHONPATH=/tmp/site:. timeout 90 python3 tools/host_stages.py --shapes mlm 2>&1 \
+        | grep -v Warn | tee "$OUT/host_stages.log" | tail -45
+      PYTHONPATH=/tmp/site:. timeout 60 python3 tools/profile_kernels.py --shapes mlm \
+        --methods fused_ce --rows 30 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
     esac ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
     *H200*) STEPS=bench BENCH_TIMEOUT=120 BENCH_SHAPES=bert8k,mlm,bert16k \
