@@ -6,6 +6,9 @@
 #                   this tree, any other name NAME the tree in ab_NAME/: mkdir ab_old && git
 #                   archive REV | tar -x -C ab_old); AB_PREFIX: a command each run goes
 #                   through (e.g. "taskset -c 5": one core, less spread between runs)
+#   ab_inproc       old (ab_$AB_OLD, default ab_old) and this tree in one process, their steps
+#                   alternating (tools/ab_in_process.py) at AB_SHAPES (mlm,mlm_eval): host-bound
+#                   A/Bs without the spread between processes (twenty-sixth session)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
@@ -47,6 +50,9 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;
+ab_inproc) PYTHONPATH=/tmp/site:. timeout ${AB_TIMEOUT:-240} python3 tools/ab_in_process.py \
+         --old ab_${AB_OLD:-old} --shapes ${AB_SHAPES:-mlm,mlm_eval} 2>&1 | grep -v Warn \
+         | tee "$OUT/ab_inproc.log" ;;
 db_fold) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_db_fold.py 2>&1 | grep -v Warn \
          | tee "$OUT/db_fold.log" ;;
 db_parts) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_db_parts.py 2>&1 | grep -v Warn \
