@@ -90,15 +90,13 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
     """_linear_ce_sum, plus (eager route only) ``scan``: the backend's target scan made
     earlier (``api.prepare_targets``), used when this backend made it."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
-    want = need_dx or need_dw or need_db
     backend = backend_for(x)
     made = scan is not None and scan.scan is not None and scan.backend is backend
     extra = {"scan": scan.scan} if made else {}
     stats = backend.forward(
         x, weight, bias, target, ignore_index, softcap, class_weight,
-        with_weighted_sum=with_weighted_sum, coefs=coefs if want else None,
-        need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None,
-        check_targets=True, round_grads=False, **extra)
+        with_weighted_sum=with_weighted_sum, coefs=coefs, need_dx=need_dx, need_dw=need_dw,
+        need_db=need_db and bias is not None, check_targets=True, round_grads=False, **extra)
     # 'mean' here, outside autograd, whose recorded ops and backward nodes cost ~0.1 ms of host
     # time per call (NOTES.md #73); the backward divides the upstream gradient
     loss = backend.total_loss(_row_loss(stats, coefs, with_weighted_sum), mean_d, mean_divisor)
@@ -187,8 +185,8 @@ def _linear_ce_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: T
     """(row losses, lse, argmax)."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
     stats = backend_for(x).forward(x, weight, bias, target, ignore_index, softcap, class_weight,
-                                   with_weighted_sum=with_weighted_sum, low_memory=low_memory,
-                                   check_targets=True)
+                                   with_weighted_sum=with_weighted_sum, coefs=coefs,
+                                   low_memory=low_memory, check_targets=True)
     return (_own(_row_loss(stats, coefs, with_weighted_sum)), _own(stats.lse),
             _own(stats.argmax))
 

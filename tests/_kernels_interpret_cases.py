@@ -656,11 +656,41 @@ def test_stats_pass(n, h, v, dtype, bias, class_weight, softcap, chunk_bytes, sp
     _check_stats(ours, ref, t, TOL[dtype]["stats"], (x, w, b, t, cw), softcap)
 
 
+@pytest.mark.parametrize("with_ws,class_weight", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("chunk_bytes", [1, 2**20])
+def test_stats_pass_row_losses(with_ws, class_weight, chunk_bytes, monkeypatch):
+    """Given coefficients but no gradient to compute, stats_pass.py's finish kernel also writes
+    the row losses (ops._row_loss of the fp64 reference's statistics, with and without the
+    weighted sum and class weights), 0 on ignored rows and on positions past the valid count
+    (allocations poisoned); the row-stats path (row_stats.py) leaves them to the caller."""
+    from fused_ce import ops
+    monkeypatch.setattr(config, "STATS_TILE_BYTES", chunk_bytes)
+    g = _gen()
+    x, w, b, t, cw = _inputs(45, 48, 89, torch.float32, class_weight=class_weight, g=g)
+    co = _coefs(45, g)
+    co = co._replace(target=co.target * (t != IGNORE))  # (the API's: 0 on ignored rows)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+                            with_weighted_sum=with_ws)
+    want = ops._row_loss(ref, GradCoefs(*map(_d, co)), with_ws)
+    for tiles in (True, False):
+        monkeypatch.setattr(config, "STATS_EPILOGUE", tiles)
+        ours = kernels.forward(x, w, b, t, IGNORE, None, cw, with_weighted_sum=with_ws,
+                               coefs=co)
+        assert ours.dx is None and ours.dw is None and ours.db is None
+        if not tiles:
+            assert ours.row_loss is None
+            continue
+        assert _rel(ours.row_loss, want) < 1e-5
+        assert (ours.row_loss[t == IGNORE] == 0).all()
+
+
 @pytest.mark.parametrize("what", ["all_ignored", "nonfinite", "ties", "low_memory_grads"])
 def test_stats_pass_cases(what, small_chunks, monkeypatch):
     """stats_pass.py on every row ignored (nothing computed, zeros and ignore_index), on NaN and
     inf in x (they reach the row's lse, no other row's), on exact ties across vocabulary tiles
-    (the first column wins) and as the start of the memory-minimal gradient sweeps."""
+    (the first column wins) and as the start of the memory-minimal gradient sweeps (with the
+    row losses from its finish kernel)."""
+    from fused_ce import ops
     from fused_ce.kernels import stats_pass
 
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
@@ -698,6 +728,7 @@ def test_stats_pass_cases(what, small_chunks, monkeypatch):
                                 **{**kw, "coefs": GradCoefs(*map(_d, co))})
         _check_stats(out, ref, t, 1e-5, (x, w, b, t, cw), None)
         _check_grads(out, ref._asdict(), x, w, b, 1e-5, (True, True, True))
+        assert _rel(out.row_loss, ops._row_loss(ref, GradCoefs(*map(_d, co)), True)) < 1e-5
     assert used
 
 

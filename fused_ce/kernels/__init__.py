@@ -69,9 +69,11 @@ def _use_reference(x: Tensor, weight: Tensor) -> bool:
     return x.dtype == torch.float64 or weight.dtype == torch.float64
 
 
-def _row_stats(p: Problem, with_weighted_sum: bool):
+def _row_stats(p: Problem, with_weighted_sum: bool, cf=None):
+    """The statistics pass's (lse, target_logit, weighted_sum, max_logit, argmax, nll) and, with
+    coefficients ``cf`` where stats_pass.py serves, the row losses."""
     if stats_pass.applicable(p):
-        return stats_pass.row_stats(p, with_weighted_sum)
+        return stats_pass.row_stats(p, with_weighted_sum, cf)
     lg = p.cfg["logits"]
     n_tiles = triton.cdiv(p.V, lg["BLOCK_N"])
     row_tiles = triton.cdiv(p.N, lg["BLOCK_M"])
@@ -111,8 +113,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
             low_memory: bool = False, check_targets: bool = False,
             scan: Optional["TargetScan"] = None, round_grads: bool = True) -> RowStats:
-    """Per-row statistics of the logits, plus their gradients when ``coefs`` is given
-    (without ``round_grads`` in fp32, unrounded).
+    """Per-row statistics of the logits (and, given ``coefs``, the row losses where a kernel
+    computes them), plus their gradients when ``coefs`` is given and one is needed (without
+    ``round_grads`` in fp32, unrounded).
     ``scan``: ``scan_targets`` of this same target, made earlier (its host read has had time
     to arrive)."""
     if _use_reference(x, weight):
@@ -139,7 +142,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
         read = _count_read(p, scan)
     elif check_targets:
         check_target_values(target, p.V, ignore_index)
-    stats = _row_stats(p, with_weighted_sum) if p.N > 0 else _empty_stats(x, ignore_index)
+    # (with coefficients the loss too, in the pass's finish kernel where stats_pass.py serves)
+    cf = row_coefs(p, coefs) if coefs is not None and p.N > 0 else None
+    stats = _row_stats(p, with_weighted_sum, cf) if p.N > 0 else _empty_stats(x, ignore_index)
     if read is not None and want and library_products(p):
         # the sweeps' cuBLAS products want the valid count: they then skip the ignored rows
         read.wait(p, check_targets=True)

@@ -409,8 +409,8 @@ class TileStats:
         """The statistics and loss of the chunk's rows ``xc`` (``bias`` as given to ``logits``),
         and D over E. With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from
         d_tiles_kernel, which also writes db's partial sums there; returns how many rows of
-        them. Without coefficients (``cf`` None: stats_pass.py) the statistics alone: no loss,
-        no D, no E (``e`` None)."""
+        them. Without coefficients (``cf`` None) the statistics alone, no loss; without E
+        (``e`` None: stats_pass.py) no D."""
         cfg = self.cfg
         cc = xc.shape[0]
         stats_only = cf is None

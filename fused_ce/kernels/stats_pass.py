@@ -58,22 +58,25 @@ def chunk_rows(p: Problem, with_ws: bool) -> int:
     return balanced_chunk(p.N, max(bm, config.STATS_TILE_BYTES // per_row // bm * bm), bm)
 
 
-def row_stats(p: Problem, with_ws: bool):
+def row_stats(p: Problem, with_ws: bool, cf=None):
     """(lse, target_logit, weighted_sum, max_logit, argmax, nll) per row, zeros (argmax
-    ignore_index) on ignored rows: row_stats.combine's contract."""
+    ignore_index) on ignored rows: row_stats.combine's contract; with the per-row coefficients
+    ``cf`` (gradients.row_coefs) also the row losses (ops.py's loss_i, 0 on ignored rows),
+    written by the finish kernel: no torch ops after the pass (NOTES.md #82)."""
     n, dev = p.N, p.device
     c = chunk_rows(p, with_ws)
     f32 = dict(dtype=torch.float32, device=dev)
     lse = torch.zeros(n, **f32)
-    zt, ws, mx, nll = torch.zeros((4, n), **f32).unbind()
+    zt, ws, mx, nll, *loss = torch.zeros((4 + (cf is not None), n), **f32).unbind()
     am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
-    # (what TileStats.finish writes: no loss without coefficients, so none is stored)
-    out = SimpleNamespace(lse=lse, zt=zt, ws=ws, mx=mx, am=am, nll=nll, loss=lse)
+    # (what TileStats.finish writes; without coefficients no loss, and lse stands in for it)
+    out = SimpleNamespace(lse=lse, zt=zt, ws=ws, mx=mx, am=am, nll=nll,
+                          loss=loss[0] if loss else lse)
     ts = TileStats(p, c, with_ws)
     xc = torch.empty((c, p.H), dtype=p.x.dtype, device=dev)
     for c0 in range(0, n, c):
         cc = min(c, n - c0)
         torch.index_select(p.x, 0, p.row_idx[c0:c0 + cc], out=xc[:cc])
         ts.logits(p, xc[:cc], None, c0, p.bias_arg, with_ws)
-        ts.finish(p, xc[:cc], None, c0, p.bias_arg, None, out, with_ws, False)
-    return lse, zt, ws, mx, am, nll
+        ts.finish(p, xc[:cc], None, c0, p.bias_arg, cf, out, with_ws, False)
+    return (lse, zt, ws, mx, am, nll, *loss)
