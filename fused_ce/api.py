@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from fused_ce import _validation as check
 from fused_ce import ops
-from fused_ce.reference import GradCoefs, mean_from_sum
+from fused_ce.reference import GradCoefs, total_loss
 
 
 class LinearCrossEntropyStats(NamedTuple):
@@ -255,9 +255,9 @@ def linear_cross_entropy(
             # (low_memory: the gradients computed in the backward, in the parameters' dtypes)
             rows, lse, argmax = ops.loss_rows(
                 x, w, b, t, cw, *coefs, ignore_index, softcap, with_ws, low_memory)
-            loss = rows.reshape(target.shape) if reduction == "none" else rows.sum()
-            if reduction == "mean":
-                loss = mean_from_sum(loss, d_nll, divisor)
+            # ('sum' and 'mean': d_nll and divisor are None unless 'mean')
+            loss = (rows.reshape(target.shape) if reduction == "none"
+                    else total_loss(rows, d_nll, divisor))
         else:
             grad_on = torch.is_grad_enabled()
             need = [grad_on and p is not None and p.requires_grad for p in (x, w, b)]

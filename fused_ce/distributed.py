@@ -66,7 +66,7 @@ from fused_ce import _validation as check
 from fused_ce import ops
 from fused_ce._dispatch import backend_for
 from fused_ce.api import _cast_for_autocast, _coefficients, _stats
-from fused_ce.reference import GradCoefs, accumulation_dtype, mean_from_sum
+from fused_ce.reference import GradCoefs, accumulation_dtype, total_loss
 
 __all__ = ["VocabParallel", "vocab_parallel_cross_entropy", "shard_bounds"]
 
@@ -454,12 +454,9 @@ def vocab_parallel_cross_entropy(
                  bool(return_stats), reduce_input_grad, bool(low_memory))
     with ctx:
         rows, lse, argmax = _VocabParallelCE.apply(x, w, b, t_loc, valid, cw_loc, *coefs, plan)
-    if reduction == "none":
-        loss = rows.reshape(target.shape)
-    else:
-        loss = rows.sum()
-        if reduction == "mean":
-            loss = mean_from_sum(loss, d_nll, divisor)
+    # ('sum' and 'mean': d_nll and divisor are None unless 'mean')
+    loss = (rows.reshape(target.shape) if reduction == "none"
+            else total_loss(rows, d_nll, divisor))
     if not return_stats:
         return loss
     return _stats(loss, lse, argmax, t, valid, coefs, target.shape, z_loss, divisor)
