@@ -33,13 +33,34 @@ def _flags(target_ptr, offs, N, V, ignore_index):
 
 
 @triton.jit
+def _block_counts(target_ptr, offs, N, V, ignore_index):
+    """(valid rows, out-of-range targets) among the rows ``offs``."""
+    _, valid, bad = _flags(target_ptr, offs, N, V, ignore_index)
+    return tl.sum(valid.to(tl.int32), 0), tl.sum(bad.to(tl.int32), 0)
+
+
+@triton.jit
+def _place_block(target_ptr, row_idx_ptr, offs, start, before, total, N, V, ignore_index):
+    """Writes the positions of the block of rows ``offs`` (from ``start``) in row_idx (module
+    doc), given the valid rows in the blocks before it and in all; returns its valid rows."""
+    in_range, valid, _ = _flags(target_ptr, offs, N, V, ignore_index)
+    v = valid.to(tl.int32)
+    ign = (in_range & ~valid).to(tl.int32)
+    pos_valid = before + tl.cumsum(v, 0) - v
+    pos_ignored = total + (start - before) + tl.cumsum(ign, 0) - ign
+    pos = tl.where(valid, pos_valid.to(tl.int64), pos_ignored.to(tl.int64))
+    tl.store(row_idx_ptr + pos, offs.to(tl.int64), mask=in_range)
+    return tl.sum(v, 0)
+
+
+@triton.jit
 def count_kernel(target_ptr, part_ptr, N, V, ignore_index, n_blocks, BLOCK: tl.constexpr):
     """part[b] = valid rows of block b, part[n_blocks + b] = its out-of-range targets."""
     b = tl.program_id(0)
     offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _, valid, bad = _flags(target_ptr, offs, N, V, ignore_index)
-    tl.store(part_ptr + b, tl.sum(valid.to(tl.int32), 0))
-    tl.store(part_ptr + n_blocks + b, tl.sum(bad.to(tl.int32), 0))
+    n_valid, n_bad = _block_counts(target_ptr, offs, N, V, ignore_index)
+    tl.store(part_ptr + b, n_valid)
+    tl.store(part_ptr + n_blocks + b, n_bad)
 
 
 @triton.jit
@@ -57,14 +78,8 @@ def place_kernel(target_ptr, part_ptr, row_idx_ptr, counts_ptr, N, V, ignore_ind
         total += tl.sum(c, 0)
         bad += tl.sum(tl.load(part_ptr + n_blocks + q, mask=q < n_blocks, other=0), 0)
     start = b.to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    in_range, valid, _ = _flags(target_ptr, offs, N, V, ignore_index)
-    v = valid.to(tl.int32)
-    ign = (in_range & ~valid).to(tl.int32)
-    pos_valid = before + tl.cumsum(v, 0) - v
-    pos_ignored = total + (start - before) + tl.cumsum(ign, 0) - ign
-    pos = tl.where(valid, pos_valid.to(tl.int64), pos_ignored.to(tl.int64))
-    tl.store(row_idx_ptr + pos, offs, mask=in_range)
+    _place_block(target_ptr, row_idx_ptr, start + tl.arange(0, BLOCK), start, before, total, N,
+                 V, ignore_index)
     if b == 0:
         tl.store(counts_ptr, total)
         tl.store(counts_ptr + 1, bad)
@@ -78,20 +93,13 @@ def scan_kernel(target_ptr, row_idx_ptr, counts_ptr, N, V, ignore_index, BLOCK: 
     total = 0
     bad = 0
     for b0 in range(0, N, BLOCK):
-        _, valid, is_bad = _flags(target_ptr, b0 + lanes, N, V, ignore_index)
-        total += tl.sum(valid.to(tl.int32), 0)
-        bad += tl.sum(is_bad.to(tl.int32), 0)
+        n_valid, n_bad = _block_counts(target_ptr, b0 + lanes, N, V, ignore_index)
+        total += n_valid
+        bad += n_bad
     before = 0  # valid rows in the blocks before
     for b0 in range(0, N, BLOCK):
-        offs = b0 + lanes
-        in_range, valid, _ = _flags(target_ptr, offs, N, V, ignore_index)
-        v = valid.to(tl.int32)
-        ign = (in_range & ~valid).to(tl.int32)
-        pos_valid = before + tl.cumsum(v, 0) - v
-        pos_ignored = total + (b0 - before) + tl.cumsum(ign, 0) - ign
-        pos = tl.where(valid, pos_valid, pos_ignored)
-        tl.store(row_idx_ptr + pos, offs.to(tl.int64), mask=in_range)
-        before += tl.sum(v, 0)
+        before += _place_block(target_ptr, row_idx_ptr, b0 + lanes, b0, before, total, N, V,
+                               ignore_index)
     tl.store(counts_ptr, total)
     tl.store(counts_ptr + 1, bad)
 
