@@ -28,6 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+import bench  # noqa: E402
 import fused_ce  # noqa: E402
 
 OLD_NAME = "fused_ce_old"
@@ -51,10 +52,9 @@ def import_renamed(tree: str):
 
 
 def inputs(shape: str, device: str):
+    """(x, w, b, t, kind): bench.py's inputs and kind ("ce" or "eval") of ``shape``."""
     if device == "cuda":
-        import bench
-        kind = bench.SHAPES[shape][5]
-        return (*bench.make_inputs(shape), kind == "eval")
+        return (*bench.make_inputs(shape), bench.SHAPES[shape][5])
     n, h, v, frac = 512, 64, 1000, 0.15  # a CPU smoke test of the tool itself
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g, requires_grad=True)
@@ -62,21 +62,14 @@ def inputs(shape: str, device: str):
     b = torch.randn(v, generator=g, requires_grad=True)
     t = torch.randint(0, v, (n,), generator=g)
     t[torch.rand(n, generator=g) > frac] = -100
-    return x, w, b, t, shape.endswith("_eval")
+    return x, w, b, t, "eval" if shape.endswith("_eval") else "ce"
 
 
-def stepper(pkg, x, w, b, t, evaluation: bool):
+def stepper(pkg, x, w, b, t, kind: str):
+    """bench.py's step (forward + backward, or the loss under no_grad) of ``pkg``'s loss."""
     params = [p for p in (x, w, b) if p is not None]
-
-    def step():
-        if evaluation:
-            with torch.no_grad():
-                pkg.linear_cross_entropy(x, w, t, linear_bias=b)
-            return
-        for p in params:
-            p.grad = None
-        pkg.linear_cross_entropy(x, w, t, linear_bias=b).backward()
-    return step
+    return bench.forward_backward(
+        "fused_ce", kind, lambda: pkg.linear_cross_entropy(x, w, t, linear_bias=b), params)
 
 
 def ms_per_step(step, steps: int) -> float:
@@ -104,9 +97,9 @@ def main():
     old = import_renamed(args.old)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape in args.shapes.split(","):
-        x, w, b, t, evaluation = inputs(shape, device)
-        steps = {"old": stepper(old, x, w, b, t, evaluation),
-                 "new": stepper(fused_ce, x, w, b, t, evaluation)}
+        x, w, b, t, kind = inputs(shape, device)
+        steps = {"old": stepper(old, x, w, b, t, kind),
+                 "new": stepper(fused_ce, x, w, b, t, kind)}
         for step in steps.values():  # compile and warm up
             ms_per_step(step, 3)
         times = {"old": [], "new": []}
