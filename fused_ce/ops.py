@@ -26,6 +26,7 @@ Two ops, chosen by how the upstream gradient is shaped:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -33,7 +34,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fused_ce._dispatch import backend_for
-from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows, grad_dtypes
+from fused_ce.reference import (GradCoefs, accumulation_dtype, chunk_rows, grad_dtypes,
+                                scatter_rows)
 
 _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the fused loss is not "
                     "supported; compute higher-order gradients from explicit logits instead")
@@ -86,9 +88,11 @@ def _linear_ce_sum(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
 
 def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coef_prob,
             coef_lse_sq, ignore_index, softcap, with_weighted_sum, need_dx, need_dw, need_db,
-            mean_d=None, mean_divisor=None, scan=None):
-    """_linear_ce_sum, plus (eager route only) ``scan``: the backend's target scan made
-    earlier (``api.prepare_targets``), used when this backend made it."""
+            mean_d=None, mean_divisor=None, scan=None, compact_dx=False):
+    """_linear_ce_sum, plus for the eager route ``scan``: the backend's target scan made
+    earlier (``api.prepare_targets``), used when this backend made it; ``compact_dx``: dx
+    may hold the valid rows only, and a seventh output says which (RowStats.dx_rows; None
+    where dx has every row)."""
     coefs = GradCoefs(coef_target, coef_smooth, coef_prob, coef_lse_sq)
     backend = backend_for(x)
     made = scan is not None and scan.scan is not None and scan.backend is backend
@@ -96,12 +100,14 @@ def _ce_sum(x, weight, bias, target, class_weight, coef_target, coef_smooth, coe
     stats = backend.forward(
         x, weight, bias, target, ignore_index, softcap, class_weight,
         with_weighted_sum=with_weighted_sum, coefs=coefs, need_dx=need_dx, need_dw=need_dw,
-        need_db=need_db and bias is not None, check_targets=True, round_grads=False, **extra)
+        need_db=need_db and bias is not None, check_targets=True, round_grads=False,
+        compact_dx=compact_dx, **extra)
     # 'mean' here, outside autograd, whose recorded ops and backward nodes cost ~0.1 ms of host
     # time per call (NOTES.md #73); the backward divides the upstream gradient
     loss = backend.total_loss(_row_loss(stats, coefs, with_weighted_sum), mean_d, mean_divisor)
     grads = [_empty(x) if g is None else g for g in (stats.dx, stats.dw, stats.db)]
-    return (loss, _own(stats.lse), _own(stats.argmax), *grads)
+    out = (loss, _own(stats.lse), _own(stats.argmax), *grads)
+    return out + (stats.dx_rows,) if compact_dx else out
 
 
 linear_ce_sum = torch.library.custom_op("fused_ce::linear_ce_sum", mutates_args=())(_linear_ce_sum)
@@ -131,10 +137,10 @@ def _tracing(t: Tensor) -> bool:
 
 
 def _sum_setup(ctx, inputs, output):
-    _, lse, argmax, dx, dw, db = output
+    _, lse, argmax, dx, dw, db, *dx_rows = output  # (dx_rows: the eager route's compact dx)
     ctx.mark_non_differentiable(lse, argmax, dx, dw, db)
     divisor = inputs[16] if len(inputs) > 16 else None  # the mean's divisor
-    ctx.save_for_backward(dx, dw, db, divisor)
+    ctx.save_for_backward(dx, dw, db, divisor, dx_rows[0] if dx_rows else None)
     ctx.grad_dtypes = grad_dtypes(*inputs[:3])
     ctx.consumed = False
     # the outputs other than the loss get no upstream gradient: without this autograd would
@@ -153,7 +159,7 @@ def _sum_backward(ctx, g_loss, *_):
         raise RuntimeError("fused_ce: a second backward through the same fused loss "
                            "(retain_graph=True) is not supported; recompute the loss instead")
     ctx.consumed = True
-    dx, dw, db, divisor = ctx.saved_tensors
+    dx, dw, db, divisor, dx_rows = ctx.saved_tensors
     need = ctx.needs_input_grad
     if g_loss is None:  # (not materialized) the loss itself got no gradient
         return (None,) * 17
@@ -164,10 +170,13 @@ def _sum_backward(ctx, g_loss, *_):
     if not wanted:
         scaled = []
     elif _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code
+        if dx_rows is not None and need[0]:
+            wanted[0] = (scatter_rows(dx, dx_rows), wanted[0][1])
         scaled = [(g * g_loss).to(dt) for g, dt in wanted]
-    else:  # in one launch where the backend can
+    else:  # in one launch where the backend can (scattering a compact dx)
         grads, dtypes = zip(*wanted)
-        scaled = backend_for(grads[0]).scaled_grads(grads, dtypes, g_loss)
+        scaled = backend_for(grads[0]).scaled_grads(grads, dtypes, g_loss,
+                                                    dx_rows if need[0] else None)
     it = iter(scaled)
     return tuple(next(it) if w else None for w in need[:3]) + (None,) * 14
 
@@ -274,7 +283,8 @@ def _eager_function(name: str, impl, setup, backward):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-_LinearCeSum = _eager_function("LinearCeSum", _ce_sum, _sum_setup,
+# (the eager route's dx may hold the valid rows only: its backward scatters them)
+_LinearCeSum = _eager_function("LinearCeSum", partial(_ce_sum, compact_dx=True), _sum_setup,
                                lambda ctx, *grads: _sum_backward(ctx, *grads) + (None,))
 _LinearCeRows = _eager_function("LinearCeRows", _linear_ce_rows, _rows_setup, _rows_backward)
 

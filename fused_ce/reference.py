@@ -112,6 +112,9 @@ class RowStats(NamedTuple):
     db: Optional[Tensor] = None
     nll: Optional[Tensor] = None
     row_loss: Optional[Tensor] = None  # loss_i (fused_ce.ops), when the backend computed it
+    # None: dx has x's rows; else dx holds the valid rows only, its row k being x's row
+    # dx_rows[k] (dx_rows lists all of x's rows, valid ones first: scatter_rows)
+    dx_rows: Optional[Tensor] = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -436,9 +439,10 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
             low_memory: bool = False, check_targets: bool = False,
-            round_grads: bool = True) -> RowStats:
+            round_grads: bool = True, compact_dx: bool = False) -> RowStats:
     """Per-row statistics of the logits, plus their gradients when ``coefs`` is given
-    (in the accumulation dtype without ``round_grads``).
+    (in the accumulation dtype without ``round_grads``). ``compact_dx`` lets a backend return
+    the valid rows of dx only (RowStats.dx_rows); this one always returns all rows.
     ``check_targets``: raise ValueError for a target outside ``[0, V)`` that is not
     ``ignore_index`` (else such a row is "out of shard", see above)."""
     if check_targets:
@@ -502,7 +506,18 @@ def total_loss(rows: Tensor, mean_d: Optional[Tensor] = None,
     return loss if mean_divisor is None else mean_from_sum(loss, mean_d, mean_divisor)
 
 
-def scaled_grads(grads, dtypes, g: Tensor) -> list:
-    """[grad * g in dtype] (module docstring; g a 0-dim tensor of the loss's dtype)."""
+def scaled_grads(grads, dtypes, g: Tensor, dx_rows: Optional[Tensor] = None) -> list:
+    """[grad * g in dtype] (module docstring; g a 0-dim tensor of the loss's dtype); with
+    ``dx_rows`` the first gradient holds the valid rows only (RowStats.dx_rows)."""
+    grads = list(grads)
+    if dx_rows is not None:
+        grads[0] = scatter_rows(grads[0], dx_rows)
     return [grad.mul_(g) if grad.dtype == dt else (grad * g).to(dt)
             for grad, dt in zip(grads, dtypes)]
+
+
+def scatter_rows(dx: Tensor, dx_rows: Tensor) -> Tensor:
+    """The full dx of RowStats' compact one: a row per entry of ``dx_rows``, dx's row k at row
+    ``dx_rows[k]``, zeros on the rest."""
+    full = dx.new_zeros((dx_rows.shape[0], dx.shape[1]))
+    return full.index_copy_(0, dx_rows[:dx.shape[0]], dx)

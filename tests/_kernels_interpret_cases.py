@@ -1073,6 +1073,66 @@ def test_scaled_grads_round_once(sizes):
         assert (out is s) == inplace
 
 
+@pytest.mark.parametrize("n,n_valid,h", [(9, 4, 70), (1, 0, 3), (5, 5, 16), (13, 1, 33)])
+@pytest.mark.parametrize("k", [0.37, float("inf")])
+def test_scaled_grads_scatter_compact_dx(n, n_valid, h, k):
+    """kernels.scaled_grads with ``dx_rows`` (a dx of the valid rows only): row j of the
+    compact fp32 dx lands, times the scalar and rounded once, on x's row dx_rows[j], every other
+    row is 0 * g (nan for an infinite g, as a zeroed row scaled), bitwise as
+    reference.scaled_grads (which scatters, then scales); dW beside it scaled as before. Row
+    counts and widths around the interpreter's 16-element blocks."""
+    g = _gen()
+    rows = torch.randperm(n, generator=g)
+    dx = torch.randn(n_valid, h, generator=g) * 100
+    dw = torch.randn(11, h, generator=g)
+    scalar = torch.tensor(k)
+    got = kernels.scaled_grads([dx, dw], [torch.float16, torch.float16], scalar, rows)
+    want = reference.scaled_grads([dx, dw], [torch.float16, torch.float16], scalar, rows)
+    full = torch.zeros(n, h)
+    full[rows[:n_valid]] = dx
+    torch.testing.assert_close(want[0], (full * scalar).half(), rtol=0, atol=0, equal_nan=True)
+    for out, exp in zip(got, want):
+        assert out.dtype == exp.dtype
+        torch.testing.assert_close(out, exp, rtol=0, atol=0, equal_nan=True)
+
+
+def test_eager_route_dx_of_valid_rows_only(monkeypatch):
+    """On the row-chunk path the eager route's forward keeps dX for the valid rows only
+    (RowStats.dx_rows; no N x H fp32 buffer) and its backward scatters it: the gradients are
+    bitwise those of the custom-op route (torch.compile's), whose dX has every row, and match
+    the fp64 oracle. Several chunks, a quarter of the rows ignored, a non-unit upstream
+    gradient."""
+    import fused_ce
+    from fused_ce import ops
+    from tests.oracle import cross_entropy64
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    g = _gen()
+    x, w, b, t, _ = _inputs(37, 70, 89, torch.float16, out_of_shard=False, g=g)
+    seen = []
+    real = kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda *a, **kw: seen.append(real(*a, **kw))
+                        or seen[-1])
+
+    def grads(eager):
+        monkeypatch.setattr(ops, "_plain_eager", lambda *a: eager)
+        ps = [p.clone().requires_grad_() for p in (x, w, b)]
+        (fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2]) * 0.37).backward()
+        return [p.grad for p in ps]
+
+    eager, custom = grads(True), grads(False)
+    n_valid = int((t != IGNORE).sum())
+    assert seen[0].dx.shape == (n_valid, 70) and torch.equal(seen[0].dx_rows[:n_valid],
+                                                            (t != IGNORE).nonzero()[:, 0])
+    assert seen[1].dx.shape == (37, 70) and seen[1].dx_rows is None
+    ref = [p.double().requires_grad_() for p in (x, w, b)]
+    (cross_entropy64(ref[0], ref[1], t, bias=ref[2]) * 0.37).backward()
+    for e, c, r in zip(eager, custom, ref):
+        assert torch.equal(e, c)
+        assert _rel(e, r.grad) <= TOL[torch.float16]["grads"]
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 61])
 @pytest.mark.parametrize("mean", [False, True])
 def test_total_loss_is_the_sum_or_its_mean(n, mean):

@@ -6,7 +6,9 @@
 # then as short); PART=mini ~190 s of it; PART=exp
 # the GPU tests and the open A/B experiments (NOTES.md, twentieth section's end); PART=start
 # a session's first call (~300 s): on an H200 its headline rows with torch.compile, else the
-# GPU tests, the MLM step's host stages and its kernels (twenty-sixth session).
+# GPU tests, the MLM step's host stages and its kernels (twenty-sixth session); PART=check a
+# change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
+# at the BERT shapes and the MLM host stages (twenty-seventh).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -51,6 +53,12 @@ start) case "$gpu" in
       PYTHONPATH=/tmp/site:. timeout 60 python3 tools/profile_kernels.py --shapes mlm \
         --methods fused_ce --rows 30 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
     esac ;;
+check) tests  # a change's call (~400 s): GPU tests, in-process A/B against ab_$AB_OLD, memory
+    STEPS=ab_inproc AB_SHAPES=${AB_SHAPES:-mlm,mlm_eval,bert8k} bash tools/gpu_steps.sh
+    STEPS=bench BENCH_TIMEOUT=150 BENCH_SHAPES=mlm,mlm_eval,bert8k,bert16k \
+      BENCH_METHODS=fused_ce,floor bash tools/gpu_steps.sh
+    PYTHONPATH=/tmp/site:. timeout 90 python3 tools/host_stages.py --shapes mlm 2>&1 \
+      | grep -v Warn > "$OUT/host_stages.log"; grep -A40 "=== mlm" "$OUT/host_stages.log" ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
     *H200*) STEPS=bench BENCH_TIMEOUT=120 BENCH_SHAPES=bert8k,mlm,bert16k \
         BENCH_METHODS=fused_ce,compile,floor bash tools/gpu_steps.sh

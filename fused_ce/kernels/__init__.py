@@ -95,10 +95,10 @@ def _row_stats(p: Problem, with_weighted_sum: bool, cf=None):
     return combine(m, s, am, zt, ws, p.valid, p.target, p.V, p.ignore_index)
 
 
-def _row_stats_with(stats, grads) -> RowStats:
+def _row_stats_with(stats, grads, dx_rows=None) -> RowStats:
     """RowStats from the paths' (lse, target_logit, weighted_sum, max_logit, argmax, nll[,
     loss]) and (dx, dw, db)."""
-    return RowStats(*stats[:5], *grads, *stats[5:])
+    return RowStats(*stats[:5], *grads, *stats[5:])._replace(dx_rows=dx_rows)
 
 
 def _empty_stats(x: Tensor, ignore_index: int):
@@ -112,12 +112,14 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
             with_weighted_sum: bool = False, coefs: Optional[GradCoefs] = None,
             need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
             low_memory: bool = False, check_targets: bool = False,
-            scan: Optional["TargetScan"] = None, round_grads: bool = True) -> RowStats:
+            scan: Optional["TargetScan"] = None, round_grads: bool = True,
+            compact_dx: bool = False) -> RowStats:
     """Per-row statistics of the logits (and, given ``coefs``, the row losses where a kernel
     computes them), plus their gradients when ``coefs`` is given and one is needed (without
     ``round_grads`` in fp32, unrounded).
     ``scan``: ``scan_targets`` of this same target, made earlier (its host read has had time
-    to arrive)."""
+    to arrive). ``compact_dx`` (with ``round_grads=False``): dx may hold the valid rows only
+    (RowStats.dx_rows: reference.RowStats)."""
     if _use_reference(x, weight):
         return reference.forward(x, weight, bias, target, ignore_index, softcap, class_weight,
                                  with_weighted_sum=with_weighted_sum, coefs=coefs,
@@ -128,11 +130,12 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
                 scan=None if scan is None else (scan.row_idx, scan.counts))
     want = coefs is not None and (need_dx or need_dw or need_db)
     if want and row_chunks.applicable(p, low_memory):
-        stats, grads = _row_chunks(p, coefs, with_weighted_sum, need_dx, need_dw, need_db,
-                                   check_targets=check_targets, scan=scan)
+        stats, grads, dx_rows = _row_chunks(
+            p, coefs, with_weighted_sum, need_dx, need_dw, need_db, check_targets=check_targets,
+            scan=scan, compact_dx=compact_dx and not round_grads)
         if round_grads:
             grads = reference.rounded_grads(grads, x, weight, bias)
-        return _row_stats_with(stats, grads)
+        return _row_stats_with(stats, grads, dx_rows)
     read = None
     if check_targets and p.N > 0 and not _cannot_sync():
         # the target check's host read of the scan's counts, started now (or by a prepared
@@ -171,7 +174,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     unit, largest = _unit_coefs(p, coefs)
     if row_chunks.applicable(p, low_memory):
-        _, grads = _row_chunks(p, unit, False, need_dx, need_dw, need_db, lse_in=lse)
+        _, grads, _ = _row_chunks(p, unit, False, need_dx, need_dw, need_db, lse_in=lse)
         wanted = [(g, dt) for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias))
                   if g is not None]
         scaled = iter(scaled_grads(*zip(*wanted), largest) if wanted else ())
@@ -206,13 +209,13 @@ def _unit_coefs(p: Problem, coefs: GradCoefs) -> tuple[GradCoefs, Tensor]:
 
 
 def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db, lse_in=None,
-                check_targets=False, scan=None):
+                check_targets=False, scan=None, compact_dx=False):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
     read = _count_read(p, scan, scale)
     return row_chunks.forward_with_grads(
         p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,
-        need_dw, need_db, lse_in=lse_in, read_arrived=read.arrived)
+        need_dw, need_db, lse_in=lse_in, read_arrived=read.arrived, compact_dx=compact_dx)
 
 
 def _count_read(p: Problem, scan: Optional["TargetScan"], scale: Optional[Tensor] = None):
@@ -275,13 +278,13 @@ def scan_targets(target: Tensor, ignore_index: int, vocab: int) -> Optional[Targ
     return TargetScan(target.reshape(-1).contiguous(), ignore_index, vocab)
 
 
-def scaled_grads(grads, dtypes, g: Tensor) -> list:
+def scaled_grads(grads, dtypes, g: Tensor, dx_rows: Optional[Tensor] = None) -> list:
     """reference.scaled_grads: one Triton launch for 16-bit and fp32 gradients and an fp32 g
     (scale.py), torch otherwise (fp64)."""
     grads, dtypes = list(grads), list(dtypes)
     if scalable(grads, dtypes, g):
-        return scale_into(grads, dtypes, g)
-    return reference.scaled_grads(grads, dtypes, g)
+        return scale_into(grads, dtypes, g, dx_rows)
+    return reference.scaled_grads(grads, dtypes, g, dx_rows)
 
 
 def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

@@ -311,7 +311,9 @@ def split_weight(weight: torch.Tensor) -> list:
 
 class _Outputs:
     """What forward_with_grads writes: the per-row statistics and loss (unless ``lse_in`` is
-    given) and the fp32 gradients."""
+    given) and the fp32 gradients. ``dx_rows``: None where dx32 has a row per row of x, else
+    dx32 holds the valid rows only, row k being x's row ``dx_rows[k]`` (set by forward_with_grads
+    once the valid count is known)."""
 
     def __init__(self, p: Problem, lse_in, need_dx: bool):
         n, dev = p.N, p.device
@@ -326,16 +328,17 @@ class _Outputs:
             self.rest = None
             self.zt = self.ws = self.mx = self.am = self.nll = self.loss = self.lse  # not written
         self.dx32 = torch.empty(p.x.shape, **f32) if need_dx else None
+        self.dx_rows = None
         self.dw32 = self.db32 = None
 
     def zero_ignored(self, p: Problem):
         """The rows no kernel writes (ignored targets): zero statistics, argmax ignore_index,
-        zero dx rows (all of dx: the valid rows are written later)."""
+        zero dx rows (all of a full dx: the valid rows are written later)."""
         if self.rest is not None:
             self.lse.zero_()
             self.rest.zero_()
             self.am.fill_(p.ignore_index)
-        if self.dx32 is not None:
+        if self.dx32 is not None and self.dx_rows is None:
             self.dx32.zero_()
 
 
@@ -485,9 +488,10 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
         z = torch.empty((_db_rows(min(c, nv)), v_pad), dtype=torch.float32, device=dev)
         # D (input dtype) over the first half of each fp32 row of Z: row stride 2 * v_pad
         d = z.view(p.x.dtype) if p.x.element_size() == 2 else torch.empty_like(z)
-    # dX's chunk product: straight into dX32 when every row is valid, else gathered rows
+    # dX's chunk product: straight into dX32 when every row is valid or it holds the valid
+    # rows only (out.dx_rows), else into gathered rows copied to theirs
     dx_c = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
-            if out.dx32 is not None and nv < n else None)
+            if out.dx32 is not None and nv < n and out.dx_rows is None else None)
     w, parts = p.weight, split  # the first chunk's logits come from W itself
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
@@ -551,9 +555,13 @@ def _copy_bytes(t: torch.Tensor) -> int:
 
 
 def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool,
-                       need_dw: bool, need_db: bool, lse_in=None, read_arrived=lambda: False):
-    """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db)) in one
-    sweep over row chunks (module doc), the gradients in fp32. ``cf``: the per-row
+                       need_dw: bool, need_db: bool, lse_in=None, read_arrived=lambda: False,
+                       compact_dx: bool = False):
+    """((lse, target_logit, weighted_sum, max_logit, argmax, nll, loss), (dx, dw, db), dx_rows)
+    in one sweep over row chunks (module doc), the gradients in fp32. ``compact_dx``: where
+    some rows are ignored, dx holds the valid rows only, row k being x's row dx_rows[k]
+    (``p.row_idx``: valid rows first; dx_rows None otherwise): no N x H fp32 buffer zeroed for
+    the ignored rows and copied into (MLM: 54 of its 64 MiB). ``cf``: the per-row
     coefficients (gradients.row_coefs); ``read``: waits for the started host read of the valid
     count (kernels.CountRead), sets ``p.n_valid_host`` and returns D's scale; called once the
     launches that do not depend on it are queued; ``scale``: the power of two dz is stored with
@@ -566,7 +574,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     slower on V = 30258 or with K = 30258 (H200, NOTES.md)."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     v_pad = padded_vocab(v)
-    out = _Outputs(p, lse_in, need_dx)
+    out = _Outputs(p, lse_in, need_dx and not compact_dx)
     # the backward's rounded copies of dW and dX (none for fp32: scaled in place): Z may be
     # as large (row_chunk_budget)
     grads16 = h * (v * need_dw * _copy_bytes(p.weight) + n * need_dx * _copy_bytes(p.x))
@@ -598,6 +606,9 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
                                device=dev)
     if need_db:
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
+    if need_dx and compact_dx:
+        out.dx32 = torch.empty((nv, h), dtype=torch.float32, device=dev)
+        out.dx_rows = p.row_idx if nv < n else None
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
                       lse_in is not None, bp, out, tiles, first)
@@ -610,7 +621,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     db = out.db32[0, :v] if out.db32 is not None else None
     stats = (None if lse_in is not None
              else (out.lse, out.zt, out.ws, out.mx, out.am, out.nll, out.loss))
-    return stats, (out.dx32, dw, db)
+    return stats, (out.dx32, dw, db), out.dx_rows
 
 
 @triton.jit

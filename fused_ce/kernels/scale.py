@@ -4,7 +4,11 @@ for an upstream gradient of 1 and kept unrounded (fp32), times the actual upstre
 destination may be its own source (in place: fp32 parameters).
 
 One program scales BLOCK consecutive elements of one tensor: programs [0, t0) the first tensor,
-[t0, t0 + t1) the second, the rest the third (t_k = cdiv(n_k, BLOCK)). torch's multiply by a
+[t0, t0 + t1) the second, the rest the third (t_k = cdiv(n_k, BLOCK)). The first may instead
+be a dX that holds the valid rows only (row_chunks.forward_with_grads' ``compact_dx``): its
+programs then take RB x HB blocks of the listed rows (RB * HB = BLOCK) and write each to its
+row of the full dX, 0 * g on the rows past the valid ones (the same value a zeroed row scaled
+gives, nan where g is not finite). torch's multiply by a
 0-dim fp32 tensor followed by a cast is two launches per tensor, and its in-place multiply of
 a 16-bit tensor takes a generic, non-vectorized kernel (H200: ~0.11 ms for BERT's dX, dW, db;
 NOTES.md #30).
@@ -28,14 +32,41 @@ def _scale_block(src, dst, n, blk, g, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def scale_kernel(a_src, a_dst, na, b_src, b_dst, nb, c_src, c_dst, nc, g_ptr,
-                 BLOCK: tl.constexpr):
+def _scatter_block(src, dst, rows_ptr, n_src_rows, n_rows, H, blk, g, RB: tl.constexpr,
+                   HB: tl.constexpr):
+    """dst[rows[k], j] = src[k, j] * g for block ``blk``'s RB listed rows k and HB columns j;
+    0 * g where k >= n_src_rows (src holds the first n_src_rows listed rows)."""
+    n_hb = tl.cdiv(H, HB)
+    kb = blk // n_hb
+    k = kb * RB + tl.arange(0, RB)
+    j = (blk - kb * n_hb) * HB + tl.arange(0, HB)
+    listed = k < n_rows
+    r = tl.load(rows_ptr + k, mask=listed, other=0).to(tl.int64)
+    mask = listed[:, None] & (j < H)[None, :]
+    v = tl.load(src + k.to(tl.int64)[:, None] * H + j[None, :],
+                mask=mask & (k < n_src_rows)[:, None], other=0.0)
+    tl.store(dst + r[:, None] * H + j[None, :], (v.to(tl.float32) * g).to(dst.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def scale_kernel(a_src, a_dst, na, b_src, b_dst, nb, c_src, c_dst, nc, g_ptr, a_rows, a_valid,
+                 a_h, BLOCK: tl.constexpr, A_ROWS: tl.constexpr, RB: tl.constexpr,
+                 HB: tl.constexpr):
+    """With A_ROWS the first tensor is a dX of ``a_valid`` rows of ``a_h``, written to the
+    rows ``a_rows`` lists (``na`` of them); else ``na`` elements as the others."""
     pid = tl.program_id(0)
-    ta = tl.cdiv(na, BLOCK)
+    if A_ROWS:
+        ta = tl.cdiv(na, RB) * tl.cdiv(a_h, HB)
+    else:
+        ta = tl.cdiv(na, BLOCK)
     tb = tl.cdiv(nb, BLOCK)
     g = tl.load(g_ptr).to(tl.float32)
     if pid < ta:
-        _scale_block(a_src, a_dst, na, pid, g, BLOCK)
+        if A_ROWS:
+            _scatter_block(a_src, a_dst, a_rows, a_valid, na, a_h, pid, g, RB, HB)
+        else:
+            _scale_block(a_src, a_dst, na, pid, g, BLOCK)
     elif pid < ta + tb:
         _scale_block(b_src, b_dst, nb, pid - ta, g, BLOCK)
     else:
@@ -50,19 +81,33 @@ def scalable(sources, dtypes, g: torch.Tensor) -> bool:
                     and dt in _DTYPES for t, dt in zip(sources, dtypes)))
 
 
-def scale_into(sources, dtypes, g: torch.Tensor) -> list:
+def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None) -> list:
     """[(s * g) in dtype for s, dtype] (``scalable``): fp32 products rounded once, in one
-    launch; a source of its destination's dtype is scaled in place and returned."""
+    launch; a source of its destination's dtype is scaled in place and returned. ``dx_rows``:
+    the first source holds the valid rows only (reference.RowStats.dx_rows); its result has a
+    row per entry of dx_rows."""
     cfg = config.current()["scale"]
     block = cfg["BLOCK"]
-    outs = [s if s.dtype == dt else torch.empty(s.shape, dtype=dt, device=s.device)
-            for s, dt in zip(sources, dtypes)]
+    shapes = [s.shape for s in sources]
+    if dx_rows is not None:
+        shapes[0] = (dx_rows.shape[0], sources[0].shape[1])
+    outs = [s if s.dtype == dt and sh == s.shape else torch.empty(sh, dtype=dt, device=s.device)
+            for s, dt, sh in zip(sources, dtypes, shapes)]
     args, programs = [], 0
+    rb = hb = 1
     for i in range(3):
         src, dst = (sources[i], outs[i]) if i < len(sources) else (g, g)  # no elements
         n = src.numel() if i < len(sources) else 0
+        if i == 0 and dx_rows is not None:  # listed rows of RB x HB blocks
+            n, h = shapes[0]
+            hb = min(triton.next_power_of_2(max(h, 1)), block)
+            rb = block // hb
+            programs += triton.cdiv(n, rb) * triton.cdiv(h, hb)
+        else:
+            programs += triton.cdiv(n, block)
         args += [src, dst, n]
-        programs += triton.cdiv(n, block)
     if programs:
-        scale_kernel[(programs,)](*args, g, BLOCK=block, num_warps=cfg["num_warps"])
+        rows = (dx_rows, sources[0].shape[0], shapes[0][1]) if dx_rows is not None else (g, 0, 0)
+        scale_kernel[(programs,)](*args, g, *rows, BLOCK=block, A_ROWS=dx_rows is not None,
+                                  RB=rb, HB=hb, num_warps=cfg["num_warps"])
     return outs
