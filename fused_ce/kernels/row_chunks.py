@@ -230,12 +230,13 @@ def chunking(rows: int, bytes_per_row: int, dw32_bytes: int,
     """(number of chunks, rows per chunk) of ``rows`` rows of Z; ``dw32_bytes``: the fp32 dW
     accumulator's size with gradients, else 0; ``grads16_bytes``: the size of the gradients
     the backward will return in the input dtype. Z may take ``row_chunk_budget`` bytes; all
-    rows go in one chunk when they fit in twice that (then dW is one product, not accumulated).
+    rows go in one chunk when they fit in config.ROW_CHUNK_ONE_FACTOR times that (then dW is
+    one product, not accumulated).
     Chunks are balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows
     that many."""
     budget = row_chunk_budget(dw32_bytes, rows if dw32_bytes else 0, bytes_per_row,
                               grads16_bytes)
-    if rows * bytes_per_row <= 2 * budget:
+    if rows * bytes_per_row <= config.ROW_CHUNK_ONE_FACTOR * budget:
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
     align = 128 if c_max >= 128 else 1
