@@ -778,6 +778,37 @@ def test_logits_tiles_first_chunk_before_count(ignored, budget, arrived, monkeyp
         assert all(not g.any() for g in (ours.dx, ours.dw, ours.db))
 
 
+def test_no_gemm_ahead_with_two_chunks(monkeypatch):
+    """With two chunks the GEMM ahead is off (config.OVERLAP_MIN_CHUNKS: its second buffer
+    would take back the memory the second chunk saved): one E buffer serves both chunks, in
+    order, and dX, dW, db match fp64."""
+    import fused_ce
+    from fused_ce.kernels import logits_tiles
+    from tests.oracle import cross_entropy64
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    monkeypatch.setattr(config, "ROW_CHUNK_SPLIT_MIN_ROWS", 1)  # (test-sized chunks)
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "overlap": True})
+    events = []
+    real = logits_tiles.TileStats.logits
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, p, xc, e, c0, *a, **k: events.append((c0, self))
+                        or real(self, p, xc, e, c0, *a, **k))
+    g = _gen()
+    x, w, b, t, _ = _inputs(30, 52, 101, torch.float32, ignored=0.0, out_of_shard=False, g=g)
+    t[torch.randperm(30, generator=g)[:6]] = IGNORE  # 24 valid rows: 2 chunks of 12
+    ps = [p.clone().requires_grad_() for p in (x, w, b)]
+    fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2]).backward()
+    assert [c0 for c0, _ in events] == [0, 12] and events[0][1] is events[1][1]
+    ref = [p.double().requires_grad_() for p in (x, w, b)]
+    cross_entropy64(ref[0], ref[1], t, bias=ref[2]).backward()
+    for p, r in zip(ps, ref):
+        assert _rel(p.grad, r.grad) <= TOL[torch.float32]["grads"]
+
+
 @pytest.mark.parametrize("arrived", [False, True])
 def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
     """With the tile configuration's "overlap" (row_chunks._GemmAhead), chunk i + 1's logits
@@ -802,9 +833,10 @@ def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
     g = _gen()
     n, h, v = 45, 52, 101
     x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.0, g=g)
-    # exactly 9 ignored rows, at random places: 36 valid rows of 624 workspace bytes exceed twice
+    # exactly 9 ignored rows, at random places: 36 valid rows of 624 workspace bytes exceed
     # the budget (half the fp32 dW, 10504 bytes), so they go in 3 chunks of 12 rows (a random
-    # count of ignored rows left 33 or fewer sometimes: one chunk)
+    # count of ignored rows left fewer chunks sometimes; with 2 there is no GEMM ahead:
+    # test_no_gemm_ahead_with_two_chunks)
     t[torch.randperm(n, generator=g)[:9]] = IGNORE
     co = GradCoefs(*(c / n for c in _coefs(n, g)))
     kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
@@ -913,9 +945,15 @@ def test_row_chunk_sizes():
     """row_chunks.chunking at the issue's shapes (fp32 rows of V padded to 64): 256 MiB of Z
     at BERT's head up to 8k tokens (4 chunks of 2048), then a quarter of the valid rows (16k
     tokens: 4 of 4096, ROW_CHUNKS_FEW); the large vocabularies within the 1 GiB cap; one chunk
-    when all rows fit in twice the budget (MLM's 15 %); log-softmax (no dW) keeps 256 MiB."""
+    when all rows fit in twice the budget and two chunks would hold fewer than
+    ROW_CHUNK_SPLIT_MIN_ROWS rows each (MLM's 15 %), else two (the epilogue path's bf16 rows
+    at 8k tokens); log-softmax (no dW) keeps 256 MiB."""
     from fused_ce.kernels.row_chunks import chunking
     bert = 30592 * 4
+    tiles = 30592 * 2 + 240 * 16  # bf16 E and the tile statistics
+    assert chunking(8192, tiles, 30258 * 1024 * 4) == (2, 4096)
+    assert chunking(4095, tiles * 2, 30258 * 1024 * 4) == (1, 4095)
+    assert chunking(2458, tiles, 30522 * 1024 * 4) == (1, 2458)
     assert chunking(8192, bert, 30258 * 1024 * 4) == (4, 2048)
     assert chunking(16384, bert, 30522 * 1024 * 4) == (4, 4096)
     assert chunking(12000, bert, 30522 * 1024 * 4) == (4, 3072)

@@ -60,7 +60,7 @@ check) tests  # a change's call (~400 s): GPU tests, in-process A/B against ab_$
     PYTHONPATH=/tmp/site:. timeout 90 python3 tools/host_stages.py --shapes mlm 2>&1 \
       | grep -v Warn > "$OUT/host_stages.log"; grep -A40 "=== mlm" "$OUT/host_stages.log" ;;
 chunks)  # the row-chunk workspace against time at the BERT shapes (twenty-seventh)
-    STEPS=tiles_cfg TILES_ROUNDS=2 TILES_SHAPES=bert8k,bert16k,mlm TILES_CFGS='{};{"config.ROW_CHUNK_ONE_FACTOR": 1, "overlap": false};{"config.ROW_CHUNK_ONE_FACTOR": 1, "config.ROW_CHUNK_BYTES": 134217728, "config.ROW_CHUNKS_FEW": 8};{"config.ROW_CHUNK_ONE_FACTOR": 1, "config.ROW_CHUNK_BYTES": 134217728, "config.ROW_CHUNKS_FEW": 8, "overlap": false}' \
+    STEPS=tiles_cfg TILES_ROUNDS=2 TILES_SHAPES=bert8k,bert16k,mlm TILES_CFGS='{"config.ROW_CHUNK_SPLIT_MIN_ROWS": 99999, "config.OVERLAP_MIN_CHUNKS": 2};{"config.ROW_CHUNK_SPLIT_MIN_ROWS": 1, "overlap": false};{"config.ROW_CHUNK_SPLIT_MIN_ROWS": 1, "config.ROW_CHUNK_BYTES": 134217728, "config.ROW_CHUNKS_FEW": 8};{"config.ROW_CHUNK_SPLIT_MIN_ROWS": 1, "config.ROW_CHUNK_BYTES": 134217728, "config.ROW_CHUNKS_FEW": 8, "overlap": false}' \
       bash tools/gpu_steps.sh ;;
 mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
     *H200*) STEPS=bench BENCH_TIMEOUT=120 BENCH_SHAPES=bert8k,mlm,bert16k \

@@ -89,13 +89,23 @@ DX_ACC_BYTES_LOW_MEMORY = 4 * 2**20
 # Row-chunk cuBLAS path (row_chunks.py), the default for 16-bit losses with gradients on CUDA
 # outside graph capture: bytes of the fp32 logits chunk Z, the largest of ROW_CHUNK_BYTES, half
 # the fp32 dW accumulator and (with gradients) 1 / ROW_CHUNKS_FEW of all valid rows' Z, at most
-# ROW_CHUNK_BYTES_MAX (all valid rows go in one chunk when they fit in ROW_CHUNK_ONE_FACTOR
-# times that; row_chunks.row_chunk_budget). ROW_CHUNKS = False forces the all-Triton vocabulary sweep;
+# ROW_CHUNK_BYTES_MAX (all valid rows go in one chunk when they fit in that, or in twice that
+# with fewer than 2 ROW_CHUNK_SPLIT_MIN_ROWS rows; row_chunks.row_chunk_budget). ROW_CHUNKS = False forces the all-Triton vocabulary sweep;
 # ROW_CHUNKS_ON_CPU runs the path under the interpreter (tests).
 ROW_CHUNK_BYTES = 256 * 2**20
 ROW_CHUNK_BYTES_MAX = 2**30
 ROW_CHUNKS_FEW = 4
-ROW_CHUNK_ONE_FACTOR = 2
+# Rows that fit in twice the budget but not in it go in two chunks where each keeps at least
+# ROW_CHUNK_SPLIT_MIN_ROWS rows (else in one: below ~2k rows cuBLAS loses speed, and a second
+# chunk costs a dozen launches of host time, which sets the pace at MLM's 2458 valid rows), and
+# the second stream's GEMM ahead (logits_tiles "overlap") runs only from OVERLAP_MIN_CHUNKS
+# chunks (with two, its second buffer would take back what the split saved). H100, same call,
+# two rounds (NOTES.md #84): bert8k 2.98 -> 3.06-3.07 ms at 662 -> 465 MiB (2 chunks of 4096
+# rows instead of one of 8192; torch.compile 3.98 ms / 549 MiB); bert16k and MLM unchanged.
+# bert16k without the overlap: 5.90-5.96 -> 6.09-6.10 ms at 775 -> 502 MiB, less than 15 %
+# ahead of torch.compile: kept.
+ROW_CHUNK_SPLIT_MIN_ROWS = 2048
+OVERLAP_MIN_CHUNKS = 3
 ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
 # The row-chunk path's logits by a Triton GEMM whose epilogue does the softmax's first pass

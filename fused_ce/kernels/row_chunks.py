@@ -35,13 +35,15 @@ workspace per row). Where all N rows would take that path, its first chunk's GEM
 before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
 host waits and sets up (where a configured min_rows and the count rule the path out, that
 kernel computes nothing and the chunk is dropped). With the tile
-configuration's "overlap" (on at BERT-class heads, config.py), each next chunk's GEMM runs on
-a second stream beside a chunk's memory-bound statistics and D pass (_GemmAhead).
+configuration's "overlap" (on at BERT-class heads, config.py), from OVERLAP_MIN_CHUNKS chunks,
+each next chunk's GEMM runs on a second stream beside a chunk's memory-bound statistics and D
+pass (_GemmAhead).
 
-Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z (within
-``row_chunk_budget``, or twice that when all valid rows fit in one chunk: at BERT's head 256
-MiB up to 8k tokens, a quarter of the valid rows' fp32 logits beyond), the fp32 gradients
-(4 (N + V) H bytes: twice the 16-bit ones) and, with several chunks, the padded copy of W when
+Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z or E (within
+``row_chunk_budget``, or up to twice that for fewer than 2 config.ROW_CHUNK_SPLIT_MIN_ROWS
+valid rows in one chunk: at BERT's head 256 MiB, a quarter of the valid rows' beyond 16k
+tokens; twice that with the GEMM ahead), the fp32 gradients (4 (N + V) H bytes, or 4 (valid rows + V) H with
+``compact_dx``: twice the 16-bit ones) and, with several chunks, the padded copy of W when
 V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
 gradient scale and the count of out-of-range targets; the read starts asynchronously and is
@@ -230,13 +232,15 @@ def chunking(rows: int, bytes_per_row: int, dw32_bytes: int,
     """(number of chunks, rows per chunk) of ``rows`` rows of Z; ``dw32_bytes``: the fp32 dW
     accumulator's size with gradients, else 0; ``grads16_bytes``: the size of the gradients
     the backward will return in the input dtype. Z may take ``row_chunk_budget`` bytes; all
-    rows go in one chunk when they fit in config.ROW_CHUNK_ONE_FACTOR times that (then dW is
-    one product, not accumulated).
+    rows go in one chunk when they fit in that, or in twice that where two chunks would hold
+    fewer than config.ROW_CHUNK_SPLIT_MIN_ROWS rows each (then dW is one product, not
+    accumulated).
     Chunks are balanced, and a multiple of 128 rows (whole GEMM tiles) when the budget allows
     that many."""
     budget = row_chunk_budget(dw32_bytes, rows if dw32_bytes else 0, bytes_per_row,
                               grads16_bytes)
-    if rows * bytes_per_row <= config.ROW_CHUNK_ONE_FACTOR * budget:
+    size = rows * bytes_per_row
+    if size <= budget or (size <= 2 * budget and rows < 2 * config.ROW_CHUNK_SPLIT_MIN_ROWS):
         return 1, max(rows, 1)
     c_max = max(1, budget // bytes_per_row)
     align = 128 if c_max >= 128 else 1
@@ -403,17 +407,19 @@ class _NoStream:
 
 
 class _GemmAhead:
-    """With several chunks on the epilogue path and the tile configuration's "overlap": chunk
-    i + 1's logits GEMM runs on a second stream, into a second E buffer and tile statistics,
-    while chunk i's statistics and D pass (memory-bound) runs on the current stream, which
-    then runs chunk i's products. The GEMM of chunk i + 1 waits for the products of chunk
+    """With config.OVERLAP_MIN_CHUNKS chunks or more on the epilogue path and the tile
+    configuration's "overlap": chunk i + 1's logits GEMM runs on a second stream, into a second
+    E buffer and tile statistics, while chunk i's statistics and D pass (memory-bound) runs on
+    the current stream, which then runs chunk i's products. The GEMM of chunk i + 1 waits for the products of chunk
     i - 1, the last reader of its buffer; the statistics of chunk i wait for its GEMM. Costs
     the second buffer (one chunk's E and statistics). The GEMM keeps one program per SM, so
     the D pass runs beside it only where its program fits in what the GEMM leaves of an SM's
     registers (its ``db_warps``; tools/probe_overlap.py)."""
 
-    def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, several: bool):
-        self.on = several and p.cfg["logits_tiles"]["overlap"]
+    def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, n_chunks: int):
+        # (with two chunks the second buffer would take back the memory that cutting the rows
+        # in two saved: config.OVERLAP_MIN_CHUNKS)
+        self.on = n_chunks >= config.OVERLAP_MIN_CHUNKS and p.cfg["logits_tiles"]["overlap"]
         if not self.on:
             return
         self.p, self.with_ws = p, with_ws
@@ -477,7 +483,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     elif tiles:
         d, ts, db_parts = _tile_workspace(p, min(c, nv), with_ws, out.db32 is not None)
     if tiles:
-        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, several)
+        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c))
     else:
         db_parts = None
         # db's product's row of ones (the epilogue path sums db_parts instead)
