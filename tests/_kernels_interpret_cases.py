@@ -828,8 +828,8 @@ def test_logits_tiles_gemm_ahead(arrived, monkeypatch):
                         lambda self, p, xc, e, c0, *a, **k: events.append(("logits", c0, self))
                         or real_logits(self, p, xc, e, c0, *a, **k))
     monkeypatch.setattr(logits_tiles.TileStats, "finish",
-                        lambda self, p, xc, e, c0, *a: events.append(("finish", c0, self))
-                        or real_finish(self, p, xc, e, c0, *a))
+                        lambda self, p, xc, e, c0, *a, **k: events.append(("finish", c0, self))
+                        or real_finish(self, p, xc, e, c0, *a, **k))
     g = _gen()
     n, h, v = 45, 52, 101
     x, w, b, t, cw = _inputs(n, h, v, torch.float32, ignored=0.0, g=g)

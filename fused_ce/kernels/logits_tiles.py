@@ -185,16 +185,25 @@ def _exp(u):
 def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x_ptr, ldx, w_ptr,
                         ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, count_ptr, c0,
                         c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
-                        ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD, softcap,
+                        ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD, softcap, n_chunk,
+                        n_rows, ignore_index,
                         HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
                         WITH_LOSS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_H: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr = False):
-    """One program per chunk row r (x's row ``x_ptr + r ldx``): the row's statistics and (with
-    WITH_LOSS) loss from its tiles and its target logit (_target_logit), then (with NEED_D) D
-    over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN columns per step.
-    Rows past the valid count (``count_ptr``, on the device) write nothing, as in the GEMM."""
+                        HAS_SOFTCAP: tl.constexpr = False, FILL: tl.constexpr = 0):
+    """One program per chunk row r < ``n_chunk`` (x's row ``x_ptr + r ldx``): the row's
+    statistics and (with WITH_LOSS) loss from its tiles and its target logit (_target_logit),
+    then (with NEED_D) D over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN
+    columns per step. Rows past the valid count (``count_ptr``, on the device) write nothing,
+    as in the GEMM. With FILL, programs r >= n_chunk write the ignored rows' statistics (0,
+    argmax ``ignore_index``; _fill_ignored), FILL of them each."""
     r = tl.program_id(0).to(tl.int64)
+    if FILL > 0:
+        if r >= n_chunk:
+            _fill_ignored(row_idx_ptr, tl.load(count_ptr) + (r - n_chunk) * FILL, n_rows,
+                          ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                          loss_ptr, FILL)
+            return
     if c0 + r >= tl.load(count_ptr):
         return
     e_row = e_ptr + r * lde
@@ -228,6 +237,25 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
             _store_d_block(e_row, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse, alpha,
                            d_t, tgt, smoothing(cols, cols < V, c_smooth, cw_ptr, HAS_CW), V,
                            VPAD)
+
+
+@triton.jit
+def _fill_ignored(row_idx_ptr, k0, n_rows, ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr,
+                  am_ptr, nll_ptr, loss_ptr, FILL: tl.constexpr):
+    """The statistics of the rows listed at positions [k0, k0 + FILL) of the row list below
+    ``n_rows`` (positions from the valid count on: ignored rows): 0, argmax ``ignore_index``
+    (row_stats.combine's contract), instead of torch fills of every row before the pass."""
+    k = k0 + tl.arange(0, FILL)
+    mask = k < n_rows
+    row = tl.load(row_idx_ptr + k, mask=mask, other=0)
+    zero = tl.zeros((FILL,), tl.float32)
+    tl.store(lse_ptr + row, zero, mask=mask)
+    tl.store(zt_ptr + row, zero, mask=mask)
+    tl.store(ws_ptr + row, zero, mask=mask)
+    tl.store(max_ptr + row, zero, mask=mask)
+    tl.store(nll_ptr + row, zero, mask=mask)
+    tl.store(loss_ptr + row, zero, mask=mask)
+    tl.store(am_ptr + row, tl.full((FILL,), ignore_index, tl.int64), mask=mask)
 
 
 @triton.jit
@@ -405,26 +433,32 @@ class TileStats:
                HAS_SOFTCAP=e is None and p.softcap is not None)
 
     def finish(self, p: Problem, xc: torch.Tensor, e, c0: int, bias, cf, out, with_ws: bool,
-               need_d: bool, db_parts=None) -> int:
+               need_d: bool, db_parts=None, fill_ignored: bool = False) -> int:
         """The statistics and loss of the chunk's rows ``xc`` (``bias`` as given to ``logits``),
         and D over E. With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from
         d_tiles_kernel, which also writes db's partial sums there; returns how many rows of
         them. Without coefficients (``cf`` None) the statistics alone, no loss; without E
-        (``e`` None: stats_pass.py) no D."""
+        (``e`` None: stats_pass.py) no D. ``fill_ignored``: the same launch also writes the
+        ignored rows' statistics (0, argmax ignore_index), which ``out`` then need not hold."""
         cfg = self.cfg
         cc = xc.shape[0]
         stats_only = cf is None
         e_arg, vpad = (xc, 0) if e is None else (e, e.shape[1])
-        finish_tiles_kernel[(cc,)](
+        fill = cfg["fill_rows"] if fill_ignored else 0
+        # (the fill programs cover the row list from the valid count on, whatever it is)
+        fill_programs = triton.cdiv(p.N, fill) if fill else 0
+        finish_tiles_kernel[(cc + fill_programs,)](
             e_arg, vpad, self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
             p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid,
             # (without the loss the coefficients are not read: the lse stands in for them)
             c0, *([out.lse] * 4 if stats_only else cf), out.lse, out.zt, out.ws, out.mx, out.am,
-            out.nll, out.loss, p.V, vpad, p.softcap_arg, HAS_SOFTCAP=p.softcap is not None,
+            out.nll, out.loss, p.V, vpad, p.softcap_arg, cc, p.N, p.ignore_index,
+            HAS_SOFTCAP=p.softcap is not None,
             HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             WITH_LOSS=not stats_only, NEED_D=need_d and db_parts is None,
             BLOCK_T=triton.next_power_of_2(self.n_tiles), BLOCK_H=cfg["finish_block_h"],
-            TILES=cfg["finish_tiles"], BN=tile_width(cfg), num_warps=cfg["finish_warps"])
+            TILES=cfg["finish_tiles"], BN=tile_width(cfg), FILL=fill,
+            num_warps=cfg["finish_warps"])
         if db_parts is None:
             return 0
         parts = db_part_rows(cfg, cc)

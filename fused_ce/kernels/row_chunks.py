@@ -336,10 +336,11 @@ class _Outputs:
         self.dx_rows = None
         self.dw32 = self.db32 = None
 
-    def zero_ignored(self, p: Problem):
-        """The rows no kernel writes (ignored targets): zero statistics, argmax ignore_index,
-        zero dx rows (all of a full dx: the valid rows are written later)."""
-        if self.rest is not None:
+    def zero_ignored(self, p: Problem, stats: bool = True):
+        """The rows no kernel writes (ignored targets): zero statistics (unless ``stats`` is
+        False: the epilogue path's finish kernel writes them), argmax ignore_index, zero dx rows
+        (all of a full dx: the valid rows are written later)."""
+        if self.rest is not None and stats:
             self.lse.zero_()
             self.rest.zero_()
             self.am.fill_(p.ignore_index)
@@ -515,12 +516,13 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
             if nv < n:
-                out.zero_ignored(p)
+                out.zero_ignored(p, stats=not tiles)
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
         if tiles:
-            n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts)
+            n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts,
+                                fill_ignored=c0 == 0 and nv < n and out.rest is not None)
         else:
             # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
             grid_rows = _db_rows(cc) if out.db32 is not None else cc

@@ -66,9 +66,10 @@ def row_stats(p: Problem, with_ws: bool, cf=None):
     n, dev = p.N, p.device
     c = chunk_rows(p, with_ws)
     f32 = dict(dtype=torch.float32, device=dev)
-    lse = torch.zeros(n, **f32)
-    zt, ws, mx, nll, *loss = torch.zeros((4 + (cf is not None), n), **f32).unbind()
-    am = torch.full((n,), p.ignore_index, dtype=torch.long, device=dev)
+    # (the ignored rows' zeros and argmax ignore_index: the first finish launch's fill programs)
+    lse = torch.empty(n, **f32)
+    zt, ws, mx, nll, *loss = torch.empty((4 + (cf is not None), n), **f32).unbind()
+    am = torch.empty((n,), dtype=torch.long, device=dev)
     # (what TileStats.finish writes; without coefficients no loss, and lse stands in for it)
     out = SimpleNamespace(lse=lse, zt=zt, ws=ws, mx=mx, am=am, nll=nll,
                           loss=loss[0] if loss else lse)
@@ -78,5 +79,6 @@ def row_stats(p: Problem, with_ws: bool, cf=None):
         cc = min(c, n - c0)
         torch.index_select(p.x, 0, p.row_idx[c0:c0 + cc], out=xc[:cc])
         ts.logits(p, xc[:cc], None, c0, p.bias_arg, with_ws)
-        ts.finish(p, xc[:cc], None, c0, p.bias_arg, cf, out, with_ws, False)
+        ts.finish(p, xc[:cc], None, c0, p.bias_arg, cf, out, with_ws, False,
+                  fill_ignored=c0 == 0)
     return (lse, zt, ws, mx, am, nll, *loss)
