@@ -108,7 +108,7 @@ def logits_tiles_cases(variants: bool):
             consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,
                           NEED_D=need_d, HAS_SOFTCAP=cw,
                           BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
-                          BN=bs)
+                          BN=bs, FILL=cfg["fill_rows"])
             yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
                    logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
         for cw in [False] + [True] * variants:
