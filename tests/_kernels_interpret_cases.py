@@ -1140,9 +1140,7 @@ def test_eager_route_dx_of_valid_rows_only(monkeypatch):
     bitwise those of the custom-op route (torch.compile's), whose dX has every row, and match
     the fp64 oracle. Several chunks, a quarter of the rows ignored, a non-unit upstream
     gradient."""
-    import fused_ce
-    from fused_ce import ops
-    from tests.oracle import cross_entropy64
+    from tests.oracle import cross_entropy64, eager_and_custom_op_grads
     monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 7 * 128 * 4)
     monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
@@ -1152,14 +1150,7 @@ def test_eager_route_dx_of_valid_rows_only(monkeypatch):
     real = kernels.forward
     monkeypatch.setattr(kernels, "forward", lambda *a, **kw: seen.append(real(*a, **kw))
                         or seen[-1])
-
-    def grads(eager):
-        monkeypatch.setattr(ops, "_plain_eager", lambda *a: eager)
-        ps = [p.clone().requires_grad_() for p in (x, w, b)]
-        (fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2]) * 0.37).backward()
-        return [p.grad for p in ps]
-
-    eager, custom = grads(True), grads(False)
+    eager, custom = eager_and_custom_op_grads(monkeypatch, x, w, b, t, 0.37)
     n_valid = int((t != IGNORE).sum())
     assert seen[0].dx.shape == (n_valid, 70) and torch.equal(seen[0].dx_rows[:n_valid],
                                                             (t != IGNORE).nonzero()[:, 0])

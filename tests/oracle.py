@@ -120,3 +120,18 @@ def assert_grads_rounded_once(backend, monkeypatch, x, w, b, t, k, low_memory=Fa
             want = (g.to(torch.promote_types(g.dtype, torch.float32)) * up).to(p.dtype)
             assert p.grad.dtype == p.dtype and torch.equal(p.grad, want)
     return [g.dtype for g in seen[0]]
+
+
+def eager_and_custom_op_grads(monkeypatch, x, w, b, t, k):
+    """The gradients of ``linear_cross_entropy(x, w, t, linear_bias=b) * k`` by the eager route
+    (ops.py's autograd.Function) and by the custom op (torch.compile's route), in that order."""
+    import fused_ce
+    from fused_ce import ops
+
+    def grads(eager):
+        monkeypatch.setattr(ops, "_plain_eager", lambda *a: eager)
+        ps = [p.clone().requires_grad_() for p in (x, w, b)]
+        (fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2]) * k).backward()
+        return [p.grad for p in ps]
+
+    return grads(True), grads(False)

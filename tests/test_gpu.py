@@ -447,19 +447,11 @@ def test_compact_dx_same_as_full(multi, monkeypatch):
     valid rows only, scattered by the backward's scaling, is bitwise the custom-op route's
     (every row in the forward) at an upstream gradient of 0.37, and meets the accuracy target;
     the scatter alone (several blocks of 4 rows x 1024 columns) is bitwise torch's."""
-    import fused_ce
-    from fused_ce import ops
+    from tests.oracle import eager_and_custom_op_grads
     if multi:
         monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)
     x, w, b, t = _inputs(8192, 1024, 30522, torch.bfloat16, ignored=0.85)
-
-    def grads(eager):
-        monkeypatch.setattr(ops, "_plain_eager", lambda *a: eager)
-        ps = [p.clone().requires_grad_() for p in (x, w, b)]
-        (fused_ce.linear_cross_entropy(ps[0], ps[1], t, linear_bias=ps[2]) * 0.37).backward()
-        return [p.grad for p in ps]
-
-    eager, custom = grads(True), grads(False)
+    eager, custom = eager_and_custom_op_grads(monkeypatch, x, w, b, t, 0.37)
     ref = [p.double().requires_grad_() for p in (x, w, b)]
     (F.cross_entropy(F.linear(*ref), t) * 0.37).backward()
     for e, c, r in zip(eager, custom, ref):
