@@ -42,9 +42,9 @@ pass (_GemmAhead).
 Three GEMM-equivalents instead of the four of a recompute scheme. Workspace: Z or E (within
 ``row_chunk_budget``, or up to twice that for fewer than 2 config.ROW_CHUNK_SPLIT_MIN_ROWS
 valid rows in one chunk: at BERT's head 256 MiB, a quarter of the valid rows' beyond 16k
-tokens; twice that with the GEMM ahead), the fp32 gradients (4 (N + V) H bytes, or 4 (valid rows + V) H with
-``compact_dx``: twice the 16-bit ones) and, with several chunks, the padded copy of W when
-V is not a multiple of 64. cuBLAS
+tokens; twice that with the GEMM ahead), the fp32 gradients (4 (N + V) H bytes, or
+4 (valid rows + V) H with ``compact_dx``: twice the 16-bit ones) and, with several chunks,
+the padded copy of W when V is not a multiple of 64. cuBLAS
 needs the number of valid rows on the host: the caller reads it once per call (with the fp16
 gradient scale and the count of out-of-range targets; the read starts asynchronously and is
 waited for after the launches that do not need it, the epilogue path's first GEMM among
@@ -411,11 +411,11 @@ class _GemmAhead:
     """With config.OVERLAP_MIN_CHUNKS chunks or more on the epilogue path and the tile
     configuration's "overlap": chunk i + 1's logits GEMM runs on a second stream, into a second
     E buffer and tile statistics, while chunk i's statistics and D pass (memory-bound) runs on
-    the current stream, which then runs chunk i's products. The GEMM of chunk i + 1 waits for the products of chunk
-    i - 1, the last reader of its buffer; the statistics of chunk i wait for its GEMM. Costs
-    the second buffer (one chunk's E and statistics). The GEMM keeps one program per SM, so
-    the D pass runs beside it only where its program fits in what the GEMM leaves of an SM's
-    registers (its ``db_warps``; tools/probe_overlap.py)."""
+    the current stream, which then runs chunk i's products. The GEMM of chunk i + 1 waits for
+    the products of chunk i - 1, the last reader of its buffer; the statistics of chunk i wait
+    for its GEMM. Costs the second buffer (one chunk's E and statistics). The GEMM keeps one
+    program per SM, so the D pass runs beside it only where its program fits in what the GEMM
+    leaves of an SM's registers (its ``db_warps``; tools/probe_overlap.py)."""
 
     def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, n_chunks: int):
         # (with two chunks the second buffer would take back the memory that cutting the rows
