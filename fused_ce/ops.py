@@ -34,8 +34,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fused_ce._dispatch import backend_for
-from fused_ce.reference import (GradCoefs, accumulation_dtype, chunk_rows, grad_dtypes,
-                                scatter_rows)
+from fused_ce.reference import GradCoefs, accumulation_dtype, chunk_rows, grad_dtypes
 
 _DOUBLE_BACKWARD = ("fused_ce: double backward (create_graph=True) through the fused loss is not "
                     "supported; compute higher-order gradients from explicit logits instead")
@@ -169,9 +168,8 @@ def _sum_backward(ctx, g_loss, *_):
     # each gradient times the scalar, in the wider precision of the two, rounded once
     if not wanted:
         scaled = []
-    elif _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code
-        if dx_rows is not None and need[0]:
-            wanted[0] = (scatter_rows(dx, dx_rows), wanted[0][1])
+    elif _tracing(dx):  # graph capture (AOT autograd) needs out-of-place code (the custom op's
+        # route: its dx has every row, dx_rows is None)
         scaled = [(g * g_loss).to(dt) for g, dt in wanted]
     else:  # in one launch where the backend can (scattering a compact dx)
         grads, dtypes = zip(*wanted)

@@ -98,7 +98,7 @@ def _row_stats(p: Problem, with_weighted_sum: bool, cf=None):
 def _row_stats_with(stats, grads, dx_rows=None) -> RowStats:
     """RowStats from the paths' (lse, target_logit, weighted_sum, max_logit, argmax, nll[,
     loss]) and (dx, dw, db)."""
-    return RowStats(*stats[:5], *grads, *stats[5:])._replace(dx_rows=dx_rows)
+    return RowStats(*stats[:5], *grads, *stats[5:], dx_rows=dx_rows)
 
 
 def _empty_stats(x: Tensor, ignore_index: int):

@@ -522,7 +522,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
                 parts = [(0, w.shape[0])]
         if tiles:
             n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts,
-                                fill_ignored=c0 == 0 and nv < n and out.rest is not None)
+                                fill_ignored=c0 == 0 and nv < n)
         else:
             # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
             grid_rows = _db_rows(cc) if out.db32 is not None else cc
