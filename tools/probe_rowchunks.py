@@ -100,6 +100,7 @@ def finish_variants(c, v, vocabs=(30258, 128256, 256000)):
             for lse_in in (False, True):
                 fn = lambda: row_chunks.finish_rows_kernel[(rows,)](  # noqa: E731
                     zz, vp, dd, 2 * vp, bp, bp, tgt, idx, 0, rows, *cf, sc, *st, vv, vp, 1.0,
+                    rows, idx, rows, -100,  # (no fill programs: FILL is 0)
                     HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, WITH_WS=False, NEED_D=True,
                     LSE_IN=lse_in, HAS_SCALE=False, D_OVER_Z=True, BLOCK_V=bv, num_warps=nw)
                 ms = bench_ms(fn)

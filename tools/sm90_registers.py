@@ -127,7 +127,7 @@ def finish_rows_cases(variants: bool):
                            + [(True, True, "fp16")] * variants):
         consts = dict(HAS_BIAS=True, HAS_SOFTCAP=cap, HAS_CW=cw, WITH_WS=True, NEED_D=True,
                       LSE_IN=False, HAS_SCALE=dtype == "fp16", D_OVER_Z=True,
-                      BLOCK_V=fin["BLOCK_V"])
+                      BLOCK_V=fin["BLOCK_V"], FILL=fin["fill_rows"])
         yield (f"finish_rows_kernel gpu class weights {int(cw)}" + f" softcap {dtype}" * cap,
                row_chunks.finish_rows_kernel, consts, {}, fin["num_warps"], 1, dtype)
 

@@ -15,8 +15,8 @@ GPU = {
     # machine when few rows are valid)
     "stats_programs_per_sm": 8,
     # row-chunk path: the per-row finish kernel (row_chunks.py), memory-bound; 8 warps measured
-    # fastest at V = 30k, 128k and 256k (NOTES.md, session 3)
-    "row_finish": dict(BLOCK_V=2048, num_warps=8),
+    # fastest at V = 30k, 128k and 256k (NOTES.md, session 3); fill_rows as logits_tiles'
+    "row_finish": dict(BLOCK_V=2048, num_warps=8, fill_rows=1024),
     # targets.py: rows per program of the target scan, block counts summed per step; up to
     # ONE_PROGRAM_ROWS rows one program in ONE_BLOCK-row steps. GPU time (H100, 15 % valid,
     # tools/probe_scan.py): two launches 3.9-4.2 us at 4k-64k rows; one program (8192 rows x
@@ -74,7 +74,7 @@ INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "stats_splits": 3,
-    "row_finish": dict(BLOCK_V=32, num_warps=1),
+    "row_finish": dict(BLOCK_V=32, num_warps=1, fill_rows=4),
     "scan": dict(BLOCK=16, PART_BLOCK=2, ONE_PROGRAM_ROWS=40, ONE_BLOCK=8, one_warps=1),
     "scale": dict(BLOCK=16, num_warps=1),
     "total_loss": dict(BLOCK=8, num_warps=1),

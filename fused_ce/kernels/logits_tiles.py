@@ -51,7 +51,7 @@ from fused_ce.kernels import config
 from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothing,
-                                       store_row_stats)
+                                       store_ignored_stats, store_row_stats)
 
 
 @triton.jit
@@ -196,13 +196,13 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     then (with NEED_D) D over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN
     columns per step. Rows past the valid count (``count_ptr``, on the device) write nothing,
     as in the GEMM. With FILL, programs r >= n_chunk write the ignored rows' statistics (0,
-    argmax ``ignore_index``; _fill_ignored), FILL of them each."""
+    argmax ``ignore_index``; row_loss.store_ignored_stats), FILL of them each."""
     r = tl.program_id(0).to(tl.int64)
     if FILL > 0:
         if r >= n_chunk:
-            _fill_ignored(row_idx_ptr, tl.load(count_ptr) + (r - n_chunk) * FILL, n_rows,
-                          ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
-                          loss_ptr, FILL)
+            store_ignored_stats(row_idx_ptr, tl.load(count_ptr) + (r - n_chunk) * FILL, n_rows,
+                                ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                                loss_ptr, FILL)
             return
     if c0 + r >= tl.load(count_ptr):
         return
@@ -237,25 +237,6 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
             _store_d_block(e_row, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse, alpha,
                            d_t, tgt, smoothing(cols, cols < V, c_smooth, cw_ptr, HAS_CW), V,
                            VPAD)
-
-
-@triton.jit
-def _fill_ignored(row_idx_ptr, k0, n_rows, ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr,
-                  am_ptr, nll_ptr, loss_ptr, FILL: tl.constexpr):
-    """The statistics of the rows listed at positions [k0, k0 + FILL) of the row list below
-    ``n_rows`` (positions from the valid count on: ignored rows): 0, argmax ``ignore_index``
-    (row_stats.combine's contract), instead of torch fills of every row before the pass."""
-    k = k0 + tl.arange(0, FILL)
-    mask = k < n_rows
-    row = tl.load(row_idx_ptr + k, mask=mask, other=0)
-    zero = tl.zeros((FILL,), tl.float32)
-    tl.store(lse_ptr + row, zero, mask=mask)
-    tl.store(zt_ptr + row, zero, mask=mask)
-    tl.store(ws_ptr + row, zero, mask=mask)
-    tl.store(max_ptr + row, zero, mask=mask)
-    tl.store(nll_ptr + row, zero, mask=mask)
-    tl.store(loss_ptr + row, zero, mask=mask)
-    tl.store(am_ptr + row, tl.full((FILL,), ignore_index, tl.int64), mask=mask)
 
 
 @triton.jit

@@ -62,7 +62,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fused_ce.kernels import config, logits_tiles
 from fused_ce.kernels.logits import tanh
 from fused_ce.kernels.problem import Problem, descriptor_ok
-from fused_ce.kernels.row_loss import grad_coefs, smoothing, store_row_stats
+from fused_ce.kernels.row_loss import (grad_coefs, smoothing, store_ignored_stats,
+                                       store_row_stats)
 
 SINGLE_PASS_MAX_V = 32768  # log_softmax: a whole row of logits in one program's registers
 
@@ -125,17 +126,27 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
                        n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
-                       softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       softcap, n_grid, count_ptr, n_all, ignore_index,
+                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                        HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, NEED_D: tl.constexpr,
                        LSE_IN: tl.constexpr, HAS_SCALE: tl.constexpr, D_OVER_Z: tl.constexpr,
-                       BLOCK_V: tl.constexpr):
-    """One program per row r of the chunk (compacted position c0 + r). Z and the bias are
-    readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the logits are
-    the columns [0, V). Writes the row's statistics and its loss (ops.py's loss_i; unless
-    LSE_IN: then ``lse_ptr`` is read) and, with NEED_D, dz * scale into D's columns [0, VPAD)
-    (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1). Programs r >= n_rows
-    write a zero row of D and nothing else (padding rows: see DB_ROWS_ALIGN)."""
+                       BLOCK_V: tl.constexpr, FILL: tl.constexpr = 0):
+    """One program per row r < ``n_grid`` of the chunk (compacted position c0 + r). Z and the
+    bias are readable in columns [0, VPAD) (VPAD a multiple of 16: the loads vectorize), the
+    logits are the columns [0, V). Writes the row's statistics and its loss (ops.py's loss_i;
+    unless LSE_IN: then ``lse_ptr`` is read) and, with NEED_D, dz * scale into D's columns
+    [0, VPAD) (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1). Programs
+    n_rows <= r < n_grid write a zero row of D and nothing else (padding rows: see
+    DB_ROWS_ALIGN). With FILL, programs r >= n_grid write the statistics of the ignored rows
+    (the row list's positions from the valid count ``count_ptr`` up to ``n_all``), FILL of them
+    each (row_loss.store_ignored_stats)."""
     r = tl.program_id(0).to(tl.int64)
+    if FILL > 0:
+        if r >= n_grid:
+            store_ignored_stats(row_idx_ptr, tl.load(count_ptr) + (r - n_grid) * FILL, n_all,
+                                ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                                loss_ptr, FILL)
+            return
     lanes = tl.arange(0, BLOCK_V)
     d_row = d_ptr + r * ldd
     if r >= n_rows:
@@ -515,8 +526,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if ahead.on:
                 d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
-            if nv < n:
-                out.zero_ignored(p, stats=not tiles)
+            if nv < n:  # (the finish kernels write the ignored rows' statistics)
+                out.zero_ignored(p, stats=False)
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
@@ -524,12 +535,16 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts,
                                 fill_ignored=c0 == 0 and nv < n)
         else:
-            # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch
+            # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch, and
+            # the first chunk's launch writes the ignored rows' statistics
             grid_rows = _db_rows(cc) if out.db32 is not None else cc
-            finish_rows_kernel[(grid_rows,)](
+            fill = fin["fill_rows"] if c0 == 0 and nv < n and not lse_in else 0
+            fill_programs = triton.cdiv(n, fill) if fill else 0
+            finish_rows_kernel[(grid_rows + fill_programs,)](
                 z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
                 scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
-                out.nll, out.loss, v, v_pad, p.softcap_arg,
+                out.nll, out.loss, v, v_pad, p.softcap_arg, grid_rows, p.n_valid, n,
+                p.ignore_index, FILL=fill,
                 HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.softcap is not None,
                 HAS_CW=p.class_weight is not None, WITH_WS=with_ws, NEED_D=need_d, LSE_IN=lse_in,
                 HAS_SCALE=scale is not None, D_OVER_Z=d.data_ptr() == z.data_ptr(),

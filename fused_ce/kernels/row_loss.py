@@ -89,3 +89,23 @@ def smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW: tl.constexpr):
     if HAS_CW:  # (one return: Triton wants a single return type)
         term = c_smooth * tl.load(cw_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     return term
+
+
+@triton.jit
+def store_ignored_stats(row_idx_ptr, k0, n_rows, ignore_index, lse_ptr, zt_ptr, ws_ptr,
+                        max_ptr, am_ptr, nll_ptr, loss_ptr, FILL: tl.constexpr):
+    """The statistics of the rows listed at positions [k0, k0 + FILL) of the row list below
+    ``n_rows`` (positions from the valid count on: ignored rows): 0, argmax ``ignore_index``
+    (row_stats.combine's contract), written by extra programs of a finish kernel's launch
+    instead of torch fills of every row before it."""
+    k = k0 + tl.arange(0, FILL)
+    mask = k < n_rows
+    row = tl.load(row_idx_ptr + k, mask=mask, other=0)
+    zero = tl.zeros((FILL,), tl.float32)
+    tl.store(lse_ptr + row, zero, mask=mask)
+    tl.store(zt_ptr + row, zero, mask=mask)
+    tl.store(ws_ptr + row, zero, mask=mask)
+    tl.store(max_ptr + row, zero, mask=mask)
+    tl.store(nll_ptr + row, zero, mask=mask)
+    tl.store(loss_ptr + row, zero, mask=mask)
+    tl.store(am_ptr + row, tl.full((FILL,), ignore_index, tl.int64), mask=mask)
