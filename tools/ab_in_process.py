@@ -1,7 +1,7 @@
 """One device call: an A/B of two trees of fused_ce in one process, their steps alternating.
 
     mkdir ab_old && git archive REV fused_ce | tar -x -C ab_old
-    python tools/ab_in_process.py --old ab_old [--shapes mlm,mlm_eval] [--rounds 30]
+    python tools/ab_in_process.py --old ab_old [--shapes mlm,mlm_eval] [--rounds 30] [--softcap C]
 
 Separate processes of the same code measured MLM 1.39-1.45 ms on one host and 2.13-2.83 on
 another (NOTES.md, twenty-sixth session): the host sets the pace there, and a process's
@@ -65,11 +65,12 @@ def inputs(shape: str, device: str):
     return x, w, b, t, "eval" if shape.endswith("_eval") else "ce"
 
 
-def stepper(pkg, x, w, b, t, kind: str):
+def stepper(pkg, x, w, b, t, kind: str, softcap=None):
     """bench.py's step (forward + backward, or the loss under no_grad) of ``pkg``'s loss."""
     params = [p for p in (x, w, b) if p is not None]
     return bench.forward_backward(
-        "fused_ce", kind, lambda: pkg.linear_cross_entropy(x, w, t, linear_bias=b), params)
+        "fused_ce", kind,
+        lambda: pkg.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap), params)
 
 
 def ms_per_step(step, steps: int) -> float:
@@ -93,13 +94,15 @@ def main():
     ap.add_argument("--shapes", default="mlm,mlm_eval")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--softcap", type=float, default=None,
+                    help="the loss's softcap (training then takes the fp32-logits path)")
     args = ap.parse_args()
     old = import_renamed(args.old)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape in args.shapes.split(","):
         x, w, b, t, kind = inputs(shape, device)
-        steps = {"old": stepper(old, x, w, b, t, kind),
-                 "new": stepper(fused_ce, x, w, b, t, kind)}
+        steps = {"old": stepper(old, x, w, b, t, kind, args.softcap),
+                 "new": stepper(fused_ce, x, w, b, t, kind, args.softcap)}
         for step in steps.values():  # compile and warm up
             ms_per_step(step, 3)
         times = {"old": [], "new": []}

@@ -8,7 +8,8 @@
 #                   through (e.g. "taskset -c 5": one core, less spread between runs)
 #   ab_inproc       old (ab_$AB_OLD, default ab_old) and this tree in one process, their steps
 #                   alternating (tools/ab_in_process.py) at AB_SHAPES (mlm,mlm_eval): host-bound
-#                   A/Bs without the spread between processes (twenty-sixth session)
+#                   A/Bs without the spread between processes (twenty-sixth session); AB_ARGS:
+#                   more of its arguments (e.g. "--softcap 30": the fp32-logits path)
 #   db              the db product's cuBLAS kernel by row count
 #   tests           GPU tests
 #   bench           BERT shapes with peers (BENCH_SHAPES, BENCH_METHODS; the _eval shapes: the
@@ -51,7 +52,7 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
         2>&1 \
         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;
 ab_inproc) PYTHONPATH=/tmp/site:. timeout ${AB_TIMEOUT:-240} python3 tools/ab_in_process.py \
-         --old ab_${AB_OLD:-old} --shapes ${AB_SHAPES:-mlm,mlm_eval} 2>&1 | grep -v Warn \
+         --old ab_${AB_OLD:-old} --shapes ${AB_SHAPES:-mlm,mlm_eval} ${AB_ARGS:-} 2>&1 | grep -v Warn \
          | tee "$OUT/ab_inproc.log" ;;
 db_fold) PYTHONPATH=/tmp/site:. timeout 120 python3 tools/probe_db_fold.py 2>&1 | grep -v Warn \
          | tee "$OUT/db_fold.log" ;;
