@@ -9,7 +9,9 @@ triton.testing.do_bench, median of many runs after warm-up), peak extra memory o
 forward+backward (max_memory_allocated minus the allocation before the call; includes the gradient
 buffers, which are also reported alone), and relative errors against an fp32 reference on the same
 bf16 inputs (loss: |a-b|/|b|; gradients: ||a-b|| / ||b||). Prints a table, writes results.json and
-PNG plots (time and memory against vocabulary size and token count) to --out.
+PNG plots (time and memory against vocabulary size and token count) to --out. The shape
+gemma2_softcap is Gemma-2's head with its logits softcapped at 30 (SOFTCAP), as the model has
+it, for the methods that take a softcap.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
 vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True),
@@ -55,7 +57,10 @@ SHAPES = {
     "mlm_eval": (16384, 1024, 30522, True, 0.15, "eval"),
     "llama3_eval": (16384, 4096, 128256, False, 1.0, "eval"),
     "gemma2_eval": (8192, 2304, 256000, False, 1.0, "eval"),
+    # Gemma-2's head as the model has it: logits softcapped at 30 (c tanh(z / c))
+    "gemma2_softcap": (8192, 2304, 256000, False, 1.0, "ce"),
 }
+SOFTCAP = {"gemma2_softcap": 30.0}
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
               "fused_ce_lowmem_triton", "kernels", "eager", "compile", "liger", "cce",
@@ -91,8 +96,16 @@ def _fused_api():
     raise ImportError("fused_ce.linear_cross_entropy missing")
 
 
-def method_fn(name, kind, x, w, b, t):
-    """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax')."""
+def _logits(x, w, b, softcap=None):
+    z = F.linear(x, w, b)
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def method_fn(name, kind, x, w, b, t, softcap=None):
+    """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax');
+    ``softcap``: the loss's logits softcapped (SOFTCAP; the methods that take one)."""
+    if softcap is not None:
+        return _softcapped_fn(name, kind, x, w, b, t, softcap)
     if name in ("fused_ce", "fused_ce_lowmem", "fused_ce_again", "fused_ce_stats"):
         lce, lls = _fused_api()
         if kind == "logsoftmax":
@@ -192,6 +205,44 @@ def method_fn(name, kind, x, w, b, t):
     raise ValueError(name)
 
 
+def _softcapped_fn(name, kind, x, w, b, t, c):
+    """method_fn's loss with the logits softcapped at c."""
+    if kind != "ce":
+        raise NotImplementedError("softcap: training shapes only")
+    if name in ("fused_ce", "fused_ce_lowmem"):
+        lce, _ = _fused_api()
+        return lambda: lce(x, w, t, linear_bias=b, softcap=c, low_memory=name != "fused_ce")
+    if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
+        from fused_ce.kernels import config
+        lce, _ = _fused_api()
+
+        def run_logits_variant():
+            default = config.LOGITS_EPILOGUE
+            config.LOGITS_EPILOGUE = name == "fused_ce_epilogue"
+            try:
+                return lce(x, w, t, linear_bias=b, softcap=c)
+            finally:
+                config.LOGITS_EPILOGUE = default
+        return run_logits_variant
+    if name == "eager":
+        return lambda: F.cross_entropy(_logits(x, w, b, c), t)
+    if name == "compile":
+        f = torch.compile(lambda x, w, b, t: F.cross_entropy(_logits(x, w, b, c), t))
+        return lambda: f(x, w, b, t)
+    if name == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, softcap=c)
+        return lambda: loss(w, x, t, b)
+    if name == "cce":
+        if b is not None:
+            raise NotImplementedError("no bias")
+        from cut_cross_entropy import linear_cross_entropy
+        return lambda: linear_cross_entropy(x, w, t, ignore_index=-100, softcap=c)
+    if name == "floor":
+        return floor_fn(kind, x, w, b, t)
+    raise NotImplementedError(f"{name}: no softcap here")
+
+
 def floor_fn(kind, x, w, b, t):
     """Three cuBLAS GEMMs over the valid rows with V padded to 128 (logits, dX, dW); for
     log-softmax, the logits GEMM writing the full output; for eval, the logits GEMM over the
@@ -231,8 +282,9 @@ def forward_backward(name, kind, fn, params):
     return step
 
 
-def reference_fp32(kind, x, w, b, t):
-    """fp32 logits from the same bf16 inputs; loss and grads in fp32 (no TF32)."""
+def reference_fp32(kind, x, w, b, t, softcap=None):
+    """fp32 logits from the same bf16 inputs (softcapped with ``softcap``); loss and grads in
+    fp32 (no TF32)."""
     xf = x.detach().float().requires_grad_()
     wf = w.detach().float().requires_grad_()
     bf = None if b is None else b.detach().float().requires_grad_()
@@ -242,7 +294,7 @@ def reference_fp32(kind, x, w, b, t):
     if kind == "eval":
         with torch.no_grad():
             return {"loss": F.cross_entropy(F.linear(xf, wf, bf), t)}
-    loss = F.cross_entropy(F.linear(xf, wf, bf), t)
+    loss = F.cross_entropy(_logits(xf, wf, bf, softcap), t)
     loss.backward()
     ref = {"loss": loss.detach(), "dx": xf.grad, "dw": wf.grad}
     if bf is not None:
@@ -293,7 +345,7 @@ def measure(name, shape, args):
     n, h, v, bias, frac, kind = SHAPES[shape]
     x, w, b, t = make_inputs(shape)
     params = [p for p in (x, w, b) if p is not None]
-    fn = method_fn(name, kind, x, w, b, t)
+    fn = method_fn(name, kind, x, w, b, t, SOFTCAP.get(shape))
     step = forward_backward(name, kind, fn, params)
     for _ in range(args.warmup_steps):  # compile, and the allocator's first large blocks
         step()
@@ -308,7 +360,7 @@ def measure(name, shape, args):
                                   return_mode="median")
     err = {}
     if args.errors:
-        ref = reference_fp32(kind, x, w, b, t)
+        ref = reference_fp32(kind, x, w, b, t, SOFTCAP.get(shape))
         err = errors(name, kind, fn, params, ref)
         del ref
     return {"shape": shape, "method": name, "N": n, "H": h, "V": v, "bias": bias,

@@ -588,25 +588,34 @@ def test_row_chunk_path(dtype, softcap, class_weight, budget, monkeypatch):
     assert (ours.dx[t == IGNORE] == 0).all()
 
 
+def _epilogue_path_used(monkeypatch) -> list:
+    """Appends to the returned list whenever the epilogue GEMM (TileStats.logits) runs."""
+    from fused_ce.kernels import logits_tiles
+
+    used = []
+    real = logits_tiles.TileStats.logits
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, *a, **k: used.append(1) or real(self, *a, **k))
+    return used
+
+
 @pytest.mark.parametrize("n,h,v", [(1, 52, 37), (45, 52, 101), (90, 48, 71)])
-@pytest.mark.parametrize("bias,class_weight,budget,split", [(True, False, 7 * 128 * 4, 2),
-                                                            (False, True, 7 * 128 * 4, 2),
-                                                            (True, True, 2**20, 2),
-                                                            (True, True, 7 * 128 * 4, 1)])
-def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypatch):
+@pytest.mark.parametrize("bias,class_weight,budget,split,softcap", [
+    (True, False, 7 * 128 * 4, 2, None), (False, True, 7 * 128 * 4, 2, None),
+    (True, True, 2**20, 2, None), (True, True, 7 * 128 * 4, 1, None),
+    (True, True, 7 * 128 * 4, 2, 2.0), (False, False, 2**20, 1, 2.0)])
+def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, softcap, monkeypatch):
     """The row-chunk path with the softmax's first pass in the logits GEMM's epilogue
     (logits_tiles.py; here with fp32 E): H not a multiple of the K tile (52; the descriptors
     read zeros past it), N = 1, V prime, several chunks or one, with and without bias and class
     weights (the weighted sum per tile), ignored rows and out-of-shard targets; the epilogue on
     the whole GEMM tile or on its two column halves (``split``; at each V here the last tile's
-    second half lies past V)."""
-    from fused_ce.kernels import logits_tiles
-
+    second half lies past V). With a softcap (2.0: most logits well into the cap's bend; E then
+    holds E f, the cap's derivative) without label smoothing: no weighted sums, and the
+    smoothing coefficients 0 (as the API passes them), a z-loss's and class weights'
+    coefficients kept."""
     _epilogue_split(monkeypatch, split)
-    used = []
-    real = logits_tiles.TileStats.logits
-    monkeypatch.setattr(logits_tiles.TileStats, "logits",
-                        lambda self, *a, **k: used.append(1) or real(self, *a, **k))
+    used = _epilogue_path_used(monkeypatch)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
     monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
@@ -616,14 +625,38 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, monkeypat
     x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, class_weight=class_weight,
                              ignored=0.25 if n > 1 else 0.0, g=g)
     co = GradCoefs(*(c / n for c in _coefs(n, g)))
-    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
-    ours = kernels.forward(x, w, b, t, IGNORE, None, cw, **kw)
-    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, _d(cw),
+    if softcap is not None:
+        co = co._replace(smooth=torch.zeros(n), prob=co.target)
+    kw = dict(with_weighted_sum=softcap is None, coefs=co, need_dx=True, need_dw=True,
+              need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
                             **{**kw, "coefs": GradCoefs(*map(_d, co))})
     assert used, "the epilogue path did not run"
-    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), None)
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
+
+
+def test_softcap_with_label_smoothing_takes_the_fp32_logits_path(monkeypatch):
+    """A softcap with label smoothing: D's smoothing term would need the cap's derivative of
+    every logit, which the epilogue's E f does not give apart (logits_tiles.py), so the
+    row-chunk path takes cuBLAS-style fp32 logits there (no epilogue GEMM), and agrees with
+    fp64."""
+    used = _epilogue_path_used(monkeypatch)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    g = _gen()
+    n, h, v = 45, 40, 67
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, class_weight=True, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=True)
+    ours = kernels.forward(x, w, b, t, IGNORE, 2.0, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, 2.0, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert not used
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), 2.0)
+    _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
 
 
 @pytest.mark.parametrize("n,h,v", [(1, 56, 37), (45, 56, 101), (90, 48, 71)])
@@ -921,24 +954,30 @@ def test_logits_tiles_first_chunk_dropped_below_min_rows(monkeypatch):
 def test_logits_tiles_chosen_by_valid_rows(monkeypatch):
     """By default (config.LOGITS_EPILOGUE None) the epilogue logits are used where the tile
     configuration says "use", from "min_rows" valid rows on; forced on or off otherwise; never
-    with a softcap, a given lse or rows a descriptor cannot address."""
+    with a softcap and label smoothing together (the weighted sums), a given lse or rows a
+    descriptor cannot address; with a softcap alone, yes."""
     from fused_ce.kernels import logits_tiles
     from fused_ce.kernels.problem import Problem
     cfg = {**config.INTERPRETER["logits_tiles"], "use": True, "min_rows": 20}
     monkeypatch.setitem(config.INTERPRETER, "logits_tiles", cfg)
     x, w, b, t, _ = _inputs(30, 48, 67, torch.float32, out_of_shard=False)
     p = Problem(x, w, b, t, IGNORE, None, None)
-    assert logits_tiles.applicable(p, None, 20) and not logits_tiles.applicable(p, None, 19)
-    assert not logits_tiles.applicable(p, torch.zeros(30), 30)  # a given lse
-    assert not logits_tiles.applicable(Problem(x, w, b, t, IGNORE, 3.0, None), None, 30)
+    for ws in (False, True):
+        assert logits_tiles.applicable(p, None, 20, ws)
+        assert not logits_tiles.applicable(p, None, 19, ws)
+        assert not logits_tiles.applicable(p, torch.zeros(30), 30, ws)  # a given lse
+    capped = Problem(x, w, b, t, IGNORE, 3.0, None)
+    assert logits_tiles.applicable(capped, None, 30, False)
+    assert not logits_tiles.applicable(capped, None, 30, True)
     assert not logits_tiles.applicable(Problem(x[:, :47], w[:, :47], b, t, IGNORE, None, None),
-                                       None, 30)  # 47 fp32 columns: rows not 16-byte aligned
+                                       None, 30, False)  # 47 fp32 columns: rows not aligned
     w_off = torch.empty(w.numel() + 1)[1:].view(w.shape).copy_(w)  # base off 16 bytes
-    assert not logits_tiles.applicable(Problem(x, w_off, b, t, IGNORE, None, None), None, 30)
+    assert not logits_tiles.applicable(Problem(x, w_off, b, t, IGNORE, None, None), None, 30,
+                                       False)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
-    assert logits_tiles.applicable(p, None, 1)
+    assert logits_tiles.applicable(p, None, 1, True)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", False)
-    assert not logits_tiles.applicable(p, None, 30)
+    assert not logits_tiles.applicable(p, None, 30, False)
 
 
 def test_row_chunk_sizes():

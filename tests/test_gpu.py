@@ -97,8 +97,9 @@ _CASES += [(dt, False, cap, which) for dt in (torch.bfloat16, torch.float16)
            for cap in (None, 30.0) for which in ("row_chunks", "row_chunks_multi")]
 # the sweep's Triton products (bf16 and fp32 take cuBLAS by default; fp16 always Triton)
 _CASES += [(torch.bfloat16, low, None, "vocab_sweep_triton") for low in (False, True)]
-# the row chunks' logits by the Triton GEMM with the softmax epilogue (bf16, no softcap;
-# "row_chunks" cases force cuBLAS fp32 Z)
+# the row chunks' logits by the Triton GEMM with the softmax epilogue (bf16; "row_chunks" cases
+# force cuBLAS fp32 Z; here with the weighted sums, so a softcap would take the fp32 path:
+# test_epilogue_path_with_softcap_vs_fp64)
 _CASES += [(torch.bfloat16, False, None, w) for w in ("row_chunks_epilogue",
                                                       "row_chunks_epilogue_multi")]
 
@@ -141,6 +142,44 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
         assert torch.isfinite(got).all()
         bound = max(GRAD_TOL if dtype != torch.float32 else 1e-4, 1.25 * eager[name])
         assert _rel(got, exp) <= bound, (name, _rel(got, exp), eager[name])
+    assert (ours.dx[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("h,softcap,multi", [(1024, 30.0, False), (1024, 2.0, True),
+                                             (2304, 30.0, True)])
+def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):
+    """The epilogue logits path with a softcap (no label smoothing: E holds E f, the cap's
+    derivative, logits_tiles.py), bf16, BERT-class and wide tile configurations (H 2304:
+    Gemma-2's), one chunk or several, 2.0: most logits in the cap's bend. The path is taken;
+    loss, statistics and gradients against the fp64 oracle as the other paths'."""
+    from fused_ce.kernels import logits_tiles
+
+    used = []
+    real = logits_tiles.TileStats.logits
+    monkeypatch.setattr(logits_tiles.TileStats, "logits",
+                        lambda self, *a, **k: used.append(1) or real(self, *a, **k))
+    if multi:  # 3000 rows in 4 chunks at H 1024 (E: 20 KiB a row), 2 at H 2304
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)
+    n, v = 3000, 10007
+    x, w, b, t = _inputs(n, h, v, torch.bfloat16)
+    coefs = _mean_coefs(t, n)  # (smooth 0 and prob = target, as the API gives them)
+    ours = kernels.forward(x, w, b, t, -100, softcap, None, with_weighted_sum=False,
+                           coefs=coefs, need_dx=True, need_dw=True, need_db=True)
+    ref = _oracle(x, w, b, t, coefs, softcap=softcap)
+    assert used
+    valid = t != -100
+    loss = (coefs.target.double() * ours.nll).sum()
+    loss_ref = (coefs.target.double() * ref.nll).sum()
+    assert abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()) <= LOSS_TOL
+    assert _rel(ours.lse, ref.lse) <= 1e-6
+    assert _rel(ours.nll, ref.nll) <= 2e-6
+    assert (ours.lse[~valid] == 0).all()
+    eager = _eager_grad_errors(x, w, b, t, softcap, ref)
+    for name in ("dx", "dw", "db"):
+        got, exp = getattr(ours, name), getattr(ref, name)
+        assert torch.isfinite(got).all()
+        assert _rel(got, exp) <= max(GRAD_TOL, 1.25 * eager[name]), (name, _rel(got, exp),
+                                                                      eager[name])
     assert (ours.dx[~valid] == 0).all()
 
 

@@ -77,8 +77,9 @@ def logits_tiles_cases(variants: bool):
     for name in ("gpu", "gpu_wide"):
         cfg = config.CONFIG[name]["logits_tiles"]
         for split in sorted({1, cfg["split"]}):
-            for ws, bias, cw in ([(False, True, False), (True, True, False)]
-                                 + [(True, False, True)] * variants):
+            for ws, bias, cw, cap in ([(False, True, False, False), (True, True, False, False),
+                                       (False, False, False, True)]
+                                      + [(True, False, True, False)] * variants):
                 bs = cfg["BN"] // split
                 desc = {"x_desc": f"tensordesc<bf16[{cfg['BM']}, {cfg['BK']}]>",
                         "w_desc": f"tensordesc<bf16[{cfg['BN']}, {cfg['BK']}]>",
@@ -86,15 +87,17 @@ def logits_tiles_cases(variants: bool):
                 consts = dict(E_DTYPE=tl.bfloat16, HAS_BIAS=bias, HAS_CW=cw, WITH_WS=ws,
                               UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                               SPLIT=split, FLATTEN=cfg["flatten"], LOG_PROBS=False,
-                              STATS_ONLY=False, HAS_SOFTCAP=False)
+                              STATS_ONLY=False, HAS_SOFTCAP=cap)
                 yield (f"logits_tiles_kernel {name} split {split} ws {int(ws)}"
-                       + " cw 1 no bias" * cw, logits_tiles.logits_tiles_kernel, consts, desc,
+                       + " cw 1 no bias" * cw + " softcap, no bias" * cap,
+                       logits_tiles.logits_tiles_kernel, consts, desc,
                        cfg["num_warps"], cfg["num_stages"], "bf16")
             # log_softmax's mode (U = z - m_t, m_t and s_t only)
             yield (f"logits_tiles_kernel {name} split {split} log-probs",
                    logits_tiles.logits_tiles_kernel,
                    {**consts, "HAS_CW": False, "WITH_WS": False, "HAS_BIAS": True,
-                    "LOG_PROBS": True}, desc, cfg["num_warps"], cfg["num_stages"], "bf16")
+                    "LOG_PROBS": True, "HAS_SOFTCAP": False}, desc, cfg["num_warps"],
+                   cfg["num_stages"], "bf16")
             # the statistics pass (stats_pass.py: no E), bf16 and fp16
             for dt, cap in (("bf16", False), ("fp16", False), ("bf16", True)):
                 yield (f"logits_tiles_kernel {name} split {split} stats only {dt}"
@@ -104,17 +107,20 @@ def logits_tiles_cases(variants: bool):
                        {k: v.replace("bf16", dt) for k, v in desc.items() if k != "e_desc"},
                        cfg["num_warps"], cfg["stats_stages"], dt)
         bs = logits_tiles.tile_width(cfg)
-        for ws, cw, need_d in [(False, False, True)] + [(True, True, False)] * variants:
+        for ws, cw, need_d, cap in ([(False, False, True, False), (False, False, True, True)]
+                                    + [(True, True, False, True)] * variants):
             consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,
-                          NEED_D=need_d, HAS_SOFTCAP=cw,
+                          NEED_D=need_d, HAS_SOFTCAP=cap,
                           BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
                           BN=bs, FILL=cfg["fill_rows"])
-            yield (f"finish_tiles_kernel {name}" + " ws cw, no D" * cw,
-                   logits_tiles.finish_tiles_kernel, consts, {}, cfg["finish_warps"], 1, "bf16")
-        for cw in [False] + [True] * variants:
-            yield (f"d_tiles_kernel {name}" + " cw" * cw, logits_tiles.d_tiles_kernel,
-                   dict(HAS_CW=cw, ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=bs), {},
-                   cfg["db_warps"], 1, "bf16")
+            yield (f"finish_tiles_kernel {name}" + " softcap" * (cap and need_d)
+                   + " ws cw softcap, no D" * cw, logits_tiles.finish_tiles_kernel, consts, {},
+                   cfg["finish_warps"], 1, "bf16")
+        for cw, cap in [(False, False), (False, True)] + [(True, False)] * variants:
+            yield (f"d_tiles_kernel {name}" + " cw" * cw + " softcap" * cap,
+                   logits_tiles.d_tiles_kernel,
+                   dict(HAS_CW=cw, ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=bs,
+                        HAS_SOFTCAP=cap), {}, cfg["db_warps"], 1, "bf16")
         yield (f"log_probs_tiles_kernel {name}", logits_tiles.log_probs_tiles_kernel,
                dict(BLOCK_T=256, TILES=cfg["finish_tiles"], BN=bs), {}, cfg["finish_warps"], 1,
                "bf16")

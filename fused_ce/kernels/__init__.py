@@ -4,8 +4,8 @@
   - 16-bit inputs with gradients, outside CUDA-graph capture (the default training path):
     row_chunks.py, three cuBLAS GEMMs per chunk of valid rows with the softmax work in one Triton
     kernel between them. It reads the number of valid rows on the host once per call. For bf16
-    heads without a softcap the logits GEMM is a Triton one whose epilogue does the softmax's
-    first pass (logits_tiles.py).
+    heads (not with a softcap and label smoothing together) the logits GEMM is a Triton one
+    whose epilogue does the softmax's first pass (logits_tiles.py).
   - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one statistics pass
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
     (16-bit inputs: the epilogue GEMM without E, stats_pass.py; otherwise row_stats.py), and

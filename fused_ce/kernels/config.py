@@ -112,7 +112,8 @@ OVERLAP_MIN_CHUNKS = 3
 ROW_CHUNKS = True
 ROW_CHUNKS_ON_CPU = False
 # The row-chunk path's logits by a Triton GEMM whose epilogue does the softmax's first pass
-# (logits_tiles.py) where it applies (bf16, no softcap) instead of cuBLAS + finish_rows_kernel:
+# (logits_tiles.py) where it applies (bf16, not a softcap with label smoothing) instead of
+# cuBLAS + finish_rows_kernel:
 # None takes the tile configuration's "use" and "min_rows", True / False force either (the bench
 # methods fused_ce_epilogue / fused_ce_fp32z, tests).
 LOGITS_EPILOGUE = None

@@ -31,8 +31,11 @@ the fp32 path (cuBLAS Z, finish_rows_kernel) moves 14: Z written, read twice, D 
 non-target entries are rounded twice (E, then D), which the dX and dW products average over
 (each sums thousands of them) before their own single rounding.
 
-Used for bf16 inputs without a softcap (its derivative needs z, not E) and without a given lse;
-under the Triton interpreter (tests) for fp32 too, with E in fp32.
+Used for bf16 inputs without a given lse; under the Triton interpreter (tests) for fp32 too,
+with E in fp32. With a softcap (logits c tanh(z / c)) the gradient of each logit carries the
+cap's derivative f_j = 1 - (z_j / c)^2 of the capped z_j, which D cannot take from the rounded
+E: the epilogue stores E f instead of E (from the fp32 z), and the target's entry gets f_t from
+the fp32 z_t. Label smoothing's term of D would need f_j alone: with both, the fp32 path serves.
 
 log_softmax (row_chunks._log_softmax_tiles) runs the same GEMM with LOG_PROBS: the epilogue
 stores U = z - m_t instead of E, and log_probs_tiles_kernel writes log p = U + m_t - lse. U is
@@ -157,6 +160,12 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
         # of them: large logits, confident tokens)
         tl.store(s_ptr + stat, tl.sum(_exp(u), 1), mask=in_m)
         e_desc.store([off_m, off_n], tl.where(in_v[None, :], u, 0.0).to(E_DTYPE))
+    elif HAS_SOFTCAP and not STATS_ONLY:
+        # E f_j (module doc), z_j = u + m_t (0 past V, where E is 0); exp(u) taken twice
+        # rather than kept beside u: one tile fewer in registers
+        tl.store(s_ptr + stat, tl.sum(_exp(u), 1), mask=in_m)
+        q = tl.where(in_v[None, :], u + mt[:, None], 0.0) / softcap
+        e_desc.store([off_m, off_n], (_exp(u) * (1.0 - q * q)).to(E_DTYPE))
     else:
         e = _exp(u)
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
@@ -230,7 +239,7 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     if NEED_D:
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)
-        d_t = alpha * tl.exp(zt - lse) - c_tgt
+        d_t = _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP)
         for v0 in range(0, VPAD, TILES * BN):
             tiles = v0 // BN + ti
             cols = v0 + ti[:, None] * BN + cj[None, :]
@@ -265,10 +274,22 @@ def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
 
 
 @triton.jit
+def _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP: tl.constexpr):
+    """D's target entry from the fp32 z_t: alpha p_t - c_tgt, times the cap's derivative f_t
+    with a softcap (module doc)."""
+    d_t = alpha * tl.exp(zt - lse) - c_tgt
+    if HAS_SOFTCAP:
+        q = zt / softcap
+        d_t *= 1.0 - q * q
+    return d_t
+
+
+@triton.jit
 def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, smooth, V, VPAD):
     """One row's D over its E on the (tiles, BN) block ``cols``, in place, and returned as
     stored: alpha p_j - smooth_j, where p = E exp(m_t - lse) (one exp per tile, not per logit),
-    the target's entry d_t (taken from the fp32 z_t, not from the rounded E), 0 past V."""
+    the target's entry d_t (taken from the fp32 z_t, not from the rounded E), 0 past V. (With a
+    softcap E holds E f: the product is then p_j f_j, and ``smooth`` is 0.)"""
     f = alpha * tl.exp(tl.load(m_row + tiles, mask=tiles < n_tiles_v, other=0.0) - lse)
     e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
     dz = tl.where(cols == tgt, d_t, e * f[:, None]) - smooth
@@ -280,8 +301,8 @@ def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, s
 @triton.jit
 def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row_idx_ptr, c0,
                    n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, db_ptr,
-                   V, VPAD, HAS_CW: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-                   BN: tl.constexpr):
+                   V, VPAD, softcap, HAS_CW: tl.constexpr, ROWS: tl.constexpr,
+                   TILES: tl.constexpr, BN: tl.constexpr, HAS_SOFTCAP: tl.constexpr = False):
     """D over E (finish_tiles_kernel's formula, from the lse and z_t it wrote) for the chunk
     rows [i ROWS, (i + 1) ROWS) and the columns of TILES vocabulary tiles j TILES + [0, TILES),
     where (i, j) is the program; the column sums of those rows' D, as stored (rounded), go to
@@ -301,7 +322,7 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)
         zt = tl.load(zt_ptr + row)  # (0 where the target is not a column here)
-        d_t = alpha * tl.exp(zt - lse) - c_tgt
+        d_t = _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP)
         d = _store_d_block(e_ptr + r * lde, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse,
                            alpha, d_t, tgt, c_smooth * w_smooth, V, VPAD)
         acc += d.to(tl.float32)
@@ -335,14 +356,15 @@ def log_probs_tiles_kernel(u_ptr, ldu, m_ptr, s_ptr, n_tiles_v, out_ptr, r0, V,
                  mask=cols < V)
 
 
-def applicable(p: Problem, lse_in, rows: int) -> bool:
+def applicable(p: Problem, lse_in, rows: int, with_ws: bool) -> bool:
     """Wanted (config.LOGITS_EPILOGUE, else the tile configuration's "use" from its "min_rows"
-    valid rows on), bf16 CUDA inputs (or fp32 under the interpreter), no softcap, no given lse,
-    x and W the TMA descriptors can address (problem.descriptor_ok)."""
+    valid rows on), bf16 CUDA inputs (or fp32 under the interpreter), no given lse, not a
+    softcap together with label smoothing (``with_ws``: module doc), x and W the TMA
+    descriptors can address (problem.descriptor_ok)."""
     wanted = config.LOGITS_EPILOGUE
     if wanted is None:
         wanted = p.cfg["logits_tiles"]["use"] and rows >= min_valid_rows(p)
-    if not wanted or lse_in is not None or p.softcap is not None:
+    if not wanted or lse_in is not None or (p.softcap is not None and with_ws):
         return False
     dtypes = (torch.bfloat16, torch.float32) if config.interpreting() else (torch.bfloat16,)
     return (p.x.dtype in dtypes and p.weight.dtype == p.x.dtype
@@ -371,8 +393,8 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
     multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)], or only the statistics where
     ``e`` is None; nothing where the valid count is below ``min_count``; ``flags``: HAS_BIAS,
-    HAS_CW, WITH_WS, LOG_PROBS and (statistics only) HAS_SOFTCAP, the rest from the tile
-    configuration ``cfg``."""
+    HAS_CW, WITH_WS, LOG_PROBS and HAS_SOFTCAP (E then holds E f: module doc), the rest from
+    the tile configuration ``cfg``."""
     cc, h = xc.shape
     x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
     e_desc = (None if e is None
@@ -411,7 +433,7 @@ class TileStats:
                self.a, self.ws, self.n_tiles, p.softcap_arg, min_count,
                HAS_BIAS=p.bias is not None,
                HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
-               HAS_SOFTCAP=e is None and p.softcap is not None)
+               HAS_SOFTCAP=p.softcap is not None)
 
     def finish(self, p: Problem, xc: torch.Tensor, e, c0: int, bias, cf, out, with_ws: bool,
                need_d: bool, db_parts=None, fill_ignored: bool = False) -> int:
@@ -446,7 +468,8 @@ class TileStats:
         width = tile_width(cfg)
         d_tiles_kernel[(parts, triton.cdiv(e.shape[1], cfg["db_tiles"] * width))](
             e, e.shape[1], self.m, out.zt, self.n_tiles, p.cw_arg, p.target, p.row_idx, c0, cc,
-            *cf, out.lse, db_parts, p.V, e.shape[1], HAS_CW=p.class_weight is not None,
+            *cf, out.lse, db_parts, p.V, e.shape[1], p.softcap_arg,
+            HAS_CW=p.class_weight is not None, HAS_SOFTCAP=p.softcap is not None,
             ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=width, num_warps=cfg["db_warps"])
         return parts
 

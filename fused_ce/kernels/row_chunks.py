@@ -27,14 +27,14 @@ by the upstream gradient and rounds each element once (scale.py). Rounded here a
 there, a gradient would be rounded twice: on the H200 with an upstream gradient of 0.37, dX's
 error against fp64 was 3.1e-3 that way vs 1.8e-3 for eager bf16 (NOTES.md #32).
 
-Where logits_tiles.applicable (bf16, no softcap, TMA-addressable x and W; by default at any
-valid count), the first two steps are instead a Triton logits GEMM whose epilogue writes
-E = exp(z - tile max) and the tiles' statistics, and a per-row kernel that writes the
-statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14, and half the
-workspace per row). Where all N rows would take that path, its first chunk's GEMM is launched
-before the host read of the valid count (_FirstTileChunk), so that the GPU is busy while the
-host waits and sets up (where a configured min_rows and the count rule the path out, that
-kernel computes nothing and the chunk is dropped). With the tile
+Where logits_tiles.applicable (bf16, not a softcap with label smoothing, TMA-addressable x
+and W; by default at any valid count), the first two steps are instead a Triton logits GEMM
+whose epilogue writes E = exp(z - tile max) and the tiles' statistics, and a per-row kernel
+that writes the statistics and D over E (logits_tiles.py: 6 bytes per logit instead of 14,
+and half the workspace per row). Where all N rows would take that path, its first chunk's
+GEMM is launched before the host read of the valid count (_FirstTileChunk), so that the GPU is
+busy while the host waits and sets up (where a configured min_rows and the count rule the path
+out, that kernel computes nothing and the chunk is dropped). With the tile
 configuration's "overlap" (on at BERT-class heads, config.py), from OVERLAP_MIN_CHUNKS chunks,
 each next chunk's GEMM runs on a second stream beside a chunk's memory-bound statistics and D
 pass (_GemmAhead).
@@ -608,12 +608,12 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     # launch computed nothing. Not where the count is on the host already
     # (fused_ce.prepare_targets, made early).
     first = None
-    if logits_tiles.applicable(p, lse_in, n) and not read_arrived():
+    if logits_tiles.applicable(p, lse_in, n, with_ws) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
         first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg)
     d_scale = read()
     nv = p.n_valid_host
-    tiles = logits_tiles.applicable(p, lse_in, nv)
+    tiles = logits_tiles.applicable(p, lse_in, nv, with_ws)
     # the epilogue kernels read the bias as given (masked past V), finish_rows_kernel an fp32
     # copy padded to v_pad
     bp = p.bias_arg if tiles or p.bias is None else _padded_bias(p.bias, v_pad, dev)
