@@ -49,6 +49,26 @@ def test_bench_methods_compute_the_loss(method):
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
 
 
+@pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "fused_ce_fp32z",
+                                    "fused_ce_epilogue", "eager"])
+def test_bench_softcapped_methods_and_reference(method):
+    """The softcapped shape's closures (bench.SOFTCAP, gemma2_softcap) compute the softcapped
+    loss, and reference_fp32 takes the same softcap: loss and gradients of a method against it
+    are those of float64 PyTorch's c tanh(z / c) logits."""
+    bench = _load("bench")
+    assert bench.SOFTCAP["gemma2_softcap"] == 30.0 and "gemma2_softcap" in bench.SHAPES
+    x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
+    c = 2.0  # (most of these logits in the cap's bend)
+    fn = bench.method_fn(method, "ce", x, w, b, t, c)
+    z = F.linear(x.double(), w.double(), b.double())
+    ref = F.cross_entropy(c * torch.tanh(z / c), t)
+    assert abs(fn().item() - ref.item()) <= 1e-5 * abs(ref.item())
+    err = bench.errors(method, "ce", fn, [x, w, b], bench.reference_fp32("ce", x, w, b, t, c))
+    assert set(err) == {"loss", "dx", "dw", "db"} and max(err.values()) <= 1e-5
+    with pytest.raises(NotImplementedError, match="softcap"):
+        bench.method_fn("fused_ce", "eval", x, w, b, t, c)
+
+
 @pytest.mark.parametrize("method", ["fused_ce", "fused_ce_rowstats", "eager"])
 def test_bench_eval_step_is_forward_only(method):
     """The ``_eval`` shapes' step: the loss under torch.no_grad (no graph, no gradients), and
