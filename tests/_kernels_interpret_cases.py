@@ -243,7 +243,7 @@ def test_backward_divides_coefficients_by_the_largest(monkeypatch, path):
     k * dz rounded: k here is 2^-9 (1 + 0.96 * 2^-11), nearly halfway between two fp16
     numbers, and with the logits spread so that p_t is small, every row's target entry
     (p_t - 1) k would carry k's rounding, a relative ~2^-11 in every row. dX, dW, db then within
-    1.4x of fp64's gradients rounded once to fp16 (~1.15x; with k left in D ~1.95x). Ignored
+    1.4x (db 1.55x) of fp64's gradients rounded once to fp16 (~1.15x; with k left in D ~2x). Ignored
     rows and out-of-shard targets, H and V not multiples of the tiles."""
     seen = []
     if path == "row_chunks":
@@ -268,9 +268,11 @@ def test_backward_divides_coefficients_by_the_largest(monkeypatch, path):
     ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
                              GradCoefs(*map(_d, co)), need_dx=True, need_dw=True, need_db=True)
     assert len(seen) == 1 and torch.equal(seen[0][0], valid) and torch.equal(seen[0][2], valid)
-    for got, exp in zip(ours, ref):
+    # (db has V = 203 entries, so its ratio spreads more: 1.15x on average, 1.40x the largest
+    # of 150 fresh inputs, against 1.74x the smallest with k left in D; dX and dW 1.22 / 1.84)
+    for got, exp, bound in zip(ours, ref, (1.4, 1.4, 1.55)):
         assert got.dtype == torch.float16
-        assert _rel(got, exp) <= 1.4 * _rel(exp.half(), exp)
+        assert _rel(got, exp) <= bound * _rel(exp.half(), exp)
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
