@@ -101,11 +101,16 @@ def _logits(x, w, b, softcap=None):
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
+# the methods that take a softcap (SOFTCAP's shapes; training only)
+SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_fp32z", "fused_ce_epilogue", "eager",
+                   "compile", "liger", "cce", "floor")
+
+
 def method_fn(name, kind, x, w, b, t, softcap=None):
     """A closure computing the method's output (loss for 'ce', log-probs for 'logsoftmax');
-    ``softcap``: the loss's logits softcapped (SOFTCAP; the methods that take one)."""
-    if softcap is not None:
-        return _softcapped_fn(name, kind, x, w, b, t, softcap)
+    ``softcap``: the loss's logits softcapped (SOFTCAP; the methods of SOFTCAP_METHODS)."""
+    if softcap is not None and (kind != "ce" or name not in SOFTCAP_METHODS):
+        raise NotImplementedError(f"{name} ({kind}): no softcap here")
     if name in ("fused_ce", "fused_ce_lowmem", "fused_ce_again", "fused_ce_stats"):
         lce, lls = _fused_api()
         if kind == "logsoftmax":
@@ -113,7 +118,7 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
         low = name == "fused_ce_lowmem"
         if name == "fused_ce_stats":  # the same loss with the token statistics returned too
             return lambda: lce(x, w, t, linear_bias=b, return_stats=True).loss
-        return lambda: lce(x, w, t, linear_bias=b, low_memory=low)
+        return lambda: lce(x, w, t, linear_bias=b, low_memory=low, softcap=softcap)
     if name in ("fused_ce_sweep", "fused_ce_sweep_triton", "fused_ce_lowmem_triton"):
         # the vocabulary sweep (the CUDA-graph path), optionally with its Triton products
         from fused_ce.kernels import config
@@ -161,30 +166,30 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             default = config.LOGITS_EPILOGUE
             config.LOGITS_EPILOGUE = name == "fused_ce_epilogue"
             try:
-                return lce(x, w, t, linear_bias=b)
+                return lce(x, w, t, linear_bias=b, softcap=softcap)
             finally:
                 config.LOGITS_EPILOGUE = default
         return run_logits_variant
     if name == "eager":
         if kind == "logsoftmax":
             return lambda: F.log_softmax(F.linear(x, w, b), -1)
-        return lambda: F.cross_entropy(F.linear(x, w, b), t)
+        return lambda: F.cross_entropy(_logits(x, w, b, softcap), t)
     if name == "compile":
         if kind == "logsoftmax":
             f = torch.compile(lambda x, w, b: F.log_softmax(F.linear(x, w, b), -1))
         else:
-            f = torch.compile(lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t))
+            f = torch.compile(lambda x, w, b, t: F.cross_entropy(_logits(x, w, b, softcap), t))
             return lambda: f(x, w, b, t)
         return lambda: f(x, w, b)
     if name == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap)
         return lambda: loss(w, x, t, b)
     if name == "cce":
         if b is not None:
             raise NotImplementedError("no bias")
         from cut_cross_entropy import linear_cross_entropy
-        return lambda: linear_cross_entropy(x, w, t, ignore_index=-100)
+        return lambda: linear_cross_entropy(x, w, t, ignore_index=-100, softcap=softcap)
     if name == "torch_lce":
         if not hasattr(F, "linear_cross_entropy"):
             raise NotImplementedError(f"torch {torch.__version__} has no F.linear_cross_entropy")
@@ -203,44 +208,6 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
         return lambda: kernels.forward(xd, wd, bd, t, -100, None, None, coefs=co, need_dx=True,
                                        need_dw=True, need_db=b is not None)
     raise ValueError(name)
-
-
-def _softcapped_fn(name, kind, x, w, b, t, c):
-    """method_fn's loss with the logits softcapped at c."""
-    if kind != "ce":
-        raise NotImplementedError("softcap: training shapes only")
-    if name in ("fused_ce", "fused_ce_lowmem"):
-        lce, _ = _fused_api()
-        return lambda: lce(x, w, t, linear_bias=b, softcap=c, low_memory=name != "fused_ce")
-    if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
-        from fused_ce.kernels import config
-        lce, _ = _fused_api()
-
-        def run_logits_variant():
-            default = config.LOGITS_EPILOGUE
-            config.LOGITS_EPILOGUE = name == "fused_ce_epilogue"
-            try:
-                return lce(x, w, t, linear_bias=b, softcap=c)
-            finally:
-                config.LOGITS_EPILOGUE = default
-        return run_logits_variant
-    if name == "eager":
-        return lambda: F.cross_entropy(_logits(x, w, b, c), t)
-    if name == "compile":
-        f = torch.compile(lambda x, w, b, t: F.cross_entropy(_logits(x, w, b, c), t))
-        return lambda: f(x, w, b, t)
-    if name == "liger":
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, softcap=c)
-        return lambda: loss(w, x, t, b)
-    if name == "cce":
-        if b is not None:
-            raise NotImplementedError("no bias")
-        from cut_cross_entropy import linear_cross_entropy
-        return lambda: linear_cross_entropy(x, w, t, ignore_index=-100, softcap=c)
-    if name == "floor":
-        return floor_fn(kind, x, w, b, t)
-    raise NotImplementedError(f"{name}: no softcap here")
 
 
 def floor_fn(kind, x, w, b, t):
