@@ -349,7 +349,7 @@ class _Outputs:
 
     def zero_ignored(self, p: Problem, stats: bool = True):
         """The rows no kernel writes (ignored targets): zero statistics (unless ``stats`` is
-        False: the epilogue path's finish kernel writes them), argmax ignore_index, zero dx rows
+        False: the finish kernels' fill programs write them), argmax ignore_index, zero dx rows
         (all of a full dx: the valid rows are written later)."""
         if self.rest is not None and stats:
             self.lse.zero_()
