@@ -50,7 +50,7 @@ ab) for v in ${AB_ORDER:-old new old new}; do d=.; [ $v != new ] && d=ab_$v
       echo "== $v"; timeout ${AB_TIMEOUT:-60} $AB_PREFIX python3 $d/benchmarks/bench.py --out /tmp/ab $B \
         --shapes ${AB_SHAPES:-bert8k,mlm,bert16k} --methods ${AB_METHODS:-fused_ce,kernels} \
         2>&1 \
-        | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done | tee "$OUT/ab.log" ;;
+        | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval|_softcap)? " | sort -u; done | tee "$OUT/ab.log" ;;
 ab_inproc) PYTHONPATH=/tmp/site:. timeout ${AB_TIMEOUT:-240} python3 tools/ab_in_process.py \
          --old ab_${AB_OLD:-old} --shapes ${AB_SHAPES:-mlm,mlm_eval} ${AB_ARGS:-} 2>&1 | grep -v Warn \
          | tee "$OUT/ab_inproc.log" ;;
@@ -93,6 +93,6 @@ overlap) PYTHONPATH=/tmp/site:. timeout 200 python3 tools/probe_overlap.py --sha
 tiles_cfg) for r in $(seq ${TILES_ROUNDS:-2}); do IFS=';'; for c in ${TILES_CFGS:-'{}';'{"split": 1}'}; do
          unset IFS; echo "== $c"; timeout 120 python3 tools/bench_tiles_config.py "$c" --out /tmp/tc $B \
          --shapes ${TILES_SHAPES:-bert8k,bert16k} --methods fused_ce 2>&1 \
-         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval)? " | sort -u; done; unset IFS; done \
+         | grep -E "^(mlm|bert8k|bert16k|llama3|gemma2)(_eval|_softcap)? " | sort -u; done; unset IFS; done \
          | tee "$OUT/tiles_cfg.log" ;;
 esac; done

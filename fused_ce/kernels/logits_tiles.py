@@ -160,17 +160,13 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
         # of them: large logits, confident tokens)
         tl.store(s_ptr + stat, tl.sum(_exp(u), 1), mask=in_m)
         e_desc.store([off_m, off_n], tl.where(in_v[None, :], u, 0.0).to(E_DTYPE))
-    elif HAS_SOFTCAP and not STATS_ONLY:
-        # E f_j (module doc), z_j = u + m_t (0 past V, where E is 0). (Written apart from the
-        # branch below, exp(u) taken twice; folding it there as `e * (1 - q^2)` compiles for
-        # sm_90 to the same 255 registers and 104 bytes of spills, but is not yet GPU-tested)
-        tl.store(s_ptr + stat, tl.sum(_exp(u), 1), mask=in_m)
-        q = tl.where(in_v[None, :], u + mt[:, None], 0.0) / softcap
-        e_desc.store([off_m, off_n], (_exp(u) * (1.0 - q * q)).to(E_DTYPE))
     else:
         e = _exp(u)
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
         if not STATS_ONLY:
+            if HAS_SOFTCAP:  # E f_j (module doc), z_j = u + m_t (0 past V, where E is 0)
+                q = tl.where(in_v[None, :], u + mt[:, None], 0.0) / softcap
+                e = e * (1.0 - q * q)
             e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
 
