@@ -164,9 +164,12 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
         e = _exp(u)
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
         if not STATS_ONLY:
-            if HAS_SOFTCAP:  # E f_j (module doc), z_j = u + m_t (0 past V, where E is 0)
-                q = tl.where(in_v[None, :], u + mt[:, None], 0.0) / softcap
-                e = e * (1.0 - q * q)
+            if HAS_SOFTCAP:
+                # E f_j (module doc) from z_j = u + m_t, which the cap keeps in [-c, c]; past V
+                # (u = -inf) the clamp gives q = -1, so E = 0 there. (A tl.where on the columns
+                # instead, or e * (1 - q^2), spills on sm_90: tools/sm90_registers.py)
+                q = tl.maximum(u + mt[:, None], -softcap) / softcap
+                e = e - e * q * q
             e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
 
