@@ -1034,8 +1034,8 @@ def test_row_chunk_sizes_up_to_rounded_grads():
 
 
 def test_row_chunk_log_softmax_logic(monkeypatch):
-    """row_chunks.log_softmax with a CPU stand-in for the fp32-output GEMM, several chunks."""
-    from fused_ce.kernels import row_chunks
+    """log_softmax_chunks.log_softmax with a CPU stand-in for the fp32-output GEMM, several chunks."""
+    from fused_ce.kernels import log_softmax_chunks
 
     real_mm = torch.mm
 
@@ -1047,7 +1047,7 @@ def test_row_chunk_log_softmax_logic(monkeypatch):
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 72 * 4)  # chunks of 16 rows
     g = _gen()
     x, w, b, _, _ = _inputs(41, 48, 71, torch.float16, g=g)
-    ours = row_chunks.log_softmax(x, w, b)
+    ours = log_softmax_chunks.log_softmax(x, w, b)
     ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
     assert ours.dtype == x.dtype and not ours.isnan().any()
     assert _rel(ours, ref) <= 1e-3
@@ -1060,17 +1060,17 @@ def test_log_softmax_tiles(n, h, v, budget, split, monkeypatch):
     log_probs_tiles_kernel; fp32 U here): N = 1, H not a multiple of the K tile, V prime, one
     chunk or several (16 or 32 rows), the epilogue on whole tiles or column halves, a large
     bias, and a row whose logits are its bias alone (x = 0)."""
-    from fused_ce.kernels import row_chunks
+    from fused_ce.kernels import log_softmax_chunks
 
     _epilogue_split(monkeypatch, split)
     monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
-    used = _recorded(monkeypatch, row_chunks, "_log_softmax_tiles")
+    used = _recorded(monkeypatch, log_softmax_chunks, "_log_softmax_tiles")
     g = _gen()
     x, w, b, _, _ = _inputs(n, h, v, torch.float32, g=g)
     b = b * 30.0
     x[-1] = 0.0  # every logit of the last row is its bias
-    ours = row_chunks.log_softmax(x, w, b)
+    ours = log_softmax_chunks.log_softmax(x, w, b)
     ref = torch.log_softmax(x.double() @ w.double().t() + b.double(), -1)
     assert used, "the epilogue path did not run"
     assert ours.dtype == x.dtype and ours.shape == (n, v)
@@ -1081,13 +1081,13 @@ def test_log_softmax_tiles(n, h, v, budget, split, monkeypatch):
 def test_log_softmax_tiles_chosen(monkeypatch):
     """By default the epilogue log-softmax is for bf16 CUDA inputs only; forced on, never for
     rows a descriptor cannot address (47 fp32 columns) or mixed dtypes."""
-    from fused_ce.kernels import row_chunks
+    from fused_ce.kernels import log_softmax_chunks
     x, w, _, _, _ = _inputs(5, 48, 67, torch.float32)
-    assert not row_chunks.log_probs_by_tiles(x, w)
+    assert not log_softmax_chunks.log_probs_by_tiles(x, w)
     monkeypatch.setattr(config, "LOG_PROBS_EPILOGUE", True)
-    assert row_chunks.log_probs_by_tiles(x, w)
-    assert not row_chunks.log_probs_by_tiles(x[:, :47].contiguous(), w[:, :47].contiguous())
-    assert not row_chunks.log_probs_by_tiles(x, w.double())
+    assert log_softmax_chunks.log_probs_by_tiles(x, w)
+    assert not log_softmax_chunks.log_probs_by_tiles(x[:, :47].contiguous(), w[:, :47].contiguous())
+    assert not log_softmax_chunks.log_probs_by_tiles(x, w.double())
 
 
 def _scan_expected(t, v):

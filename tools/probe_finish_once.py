@@ -28,7 +28,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fused_ce.kernels import row_chunks  # noqa: E402
-from fused_ce.kernels.row_chunks import _finished_logits, _fold_block, _fold_init  # noqa: E402
+from fused_ce.kernels.row_chunks import finished_logits, _fold_block, _fold_init  # noqa: E402
 from fused_ce.kernels.row_loss import store_row_stats  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def _row_start(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPA
     lanes = tl.arange(0, BLOCK_V)
     row = tl.load(row_idx_ptr + r)
     z_row = z_ptr + r * ldz
-    z0 = _finished_logits(z_row, lanes, lanes < VPAD, bias_ptr, 1.0, True, False)
+    z0 = finished_logits(z_row, lanes, lanes < VPAD, bias_ptr, 1.0, True, False)
     c = tl.max(tl.where(lanes < V, z0, float("-inf")), 0)
     c = tl.where(tl.abs(c) < float("inf"), c, 0.0)
     return r, lanes, e_ptr + r * lde, row, tl.load(target_ptr + row), z_row, z0, c
@@ -92,9 +92,9 @@ def once_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
         if MODE == 1:  # prefetch
             z = z_next
             nxt = cols + BLOCK_V
-            z_next = _finished_logits(z_row, nxt, nxt < VPAD, bias_ptr, 1.0, True, False)
+            z_next = finished_logits(z_row, nxt, nxt < VPAD, bias_ptr, 1.0, True, False)
         else:
-            z = _finished_logits(z_row, cols, cols < VPAD, bias_ptr, 1.0, True, False)
+            z = finished_logits(z_row, cols, cols < VPAD, bias_ptr, 1.0, True, False)
         m, s, arg, ws = _fold_block(z, cols, V, m, s, arg, ws, bias_ptr, False, False)
         zt_lanes += tl.where((cols == tgt) & (cols < V), z, 0.0)
         if MODE <= 1:
@@ -130,7 +130,7 @@ def lean_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
     r, lanes, e_row, row, tgt, z_row, z_next, c = _row_start(
         z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPAD, BLOCK_V)
     has_t = (tgt >= 0) & (tgt < V)
-    zt = tl.where(has_t, _finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, 1.0,
+    zt = tl.where(has_t, finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, 1.0,
                                           True, False), 0.0)
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     arg = tl.zeros((BLOCK_V,), tl.int32)
@@ -139,7 +139,7 @@ def lean_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
         cols = v0 + lanes
         z = z_next
         nxt = cols + BLOCK_V
-        z_next = _finished_logits(z_row, nxt, nxt < VPAD, bias_ptr, 1.0, True, False)
+        z_next = finished_logits(z_row, nxt, nxt < VPAD, bias_ptr, 1.0, True, False)
         zm = tl.where(cols < V, z, float("-inf"))
         better = (zm > m) | (zm != zm)
         arg = tl.where(better, cols, arg)

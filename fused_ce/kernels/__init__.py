@@ -16,10 +16,10 @@
     skip ignored rows; while a graph is captured nothing waits on the host and the products
     span every row (zeros where ignored).
 * ``backward``: the gradients from a given lse, through the same two paths.
-* ``log_softmax``: bf16 inputs: per row chunk the epilogue GEMM of logits_tiles.py stores
-  ``z - m_t`` (tile max) and a per-row kernel writes ``z - lse``; fp16: fp32 cuBLAS logits in
-  row chunks, then one Triton kernel per chunk writing ``z - lse`` (row_chunks.py); otherwise
-  the statistics sweep, then a sweep writing ``z - lse`` (log_probs.py).
+* ``log_softmax``: 16-bit inputs by row chunks (log_softmax_chunks.py): bf16 through the
+  epilogue GEMM of logits_tiles.py, which stores ``z - m_t`` (tile max), and a per-row kernel
+  writing ``z - lse``; fp16 through fp32 cuBLAS logits and one Triton kernel per chunk writing
+  ``z - lse``. Otherwise the statistics sweep, then a sweep writing ``z - lse`` (log_probs.py).
 * ``total_loss``: the sum op's loss from the row losses (and 'mean') in one launch
   (total_loss.py).
 * ``scaled_grads``: the backward's scaling by the upstream gradient, rounding the forward's
@@ -44,7 +44,7 @@ from fused_ce.reference import GradCoefs, RowStats
 import triton  # an ImportError here tells the dispatcher the kernels are unavailable
 
 from fused_ce.kernels import config
-from fused_ce.kernels import row_chunks, stats_pass
+from fused_ce.kernels import log_softmax_chunks, row_chunks, stats_pass
 from fused_ce.kernels.gradients import grad_scale, gradients, library_products, row_coefs
 from fused_ce.kernels.log_probs import log_probs_kernel
 from fused_ce.kernels.problem import Problem
@@ -291,9 +291,9 @@ def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``log_softmax(x @ weight.T + bias, -1)`` in ``x``'s dtype (logits never stored)."""
     if _use_reference(x, weight):
         return reference.log_softmax(x, weight, bias)
-    if row_chunks.log_softmax_applicable(x) and weight.dtype == x.dtype:
-        return row_chunks.log_softmax(x.contiguous(), weight.contiguous(),
-                                      None if bias is None else bias.contiguous())
+    if log_softmax_chunks.applicable(x) and weight.dtype == x.dtype:
+        return log_softmax_chunks.log_softmax(x.contiguous(), weight.contiguous(),
+                                              None if bias is None else bias.contiguous())
     n = x.shape[0]
     no_target = torch.full((n,), -1, dtype=torch.long, device=x.device)
     p = Problem(x, weight, bias, no_target, -2, None, None)
