@@ -37,10 +37,11 @@ cap's derivative f_j = 1 - (z_j / c)^2 of the capped z_j, which D cannot take fr
 E: the epilogue stores E f instead of E (from the fp32 z), and the target's entry gets f_t from
 the fp32 z_t. Label smoothing's term of D would need f_j alone: with both, the fp32 path serves.
 
-log_softmax (log_softmax_chunks._log_softmax_tiles) runs the same GEMM with LOG_PROBS: the epilogue
-stores U = z - m_t instead of E, and log_probs_tiles_kernel writes log p = U + m_t - lse. U is
-rounded once before the output is: |U| <= |log p|, so each entry is within two roundings of its
-own size (rounding z itself, as bf16 logits do, costs |z| / |log p| roundings).
+log_softmax (log_softmax_chunks._log_softmax_tiles) runs the same GEMM with LOG_PROBS: the
+epilogue stores U = z - m_t instead of E, and log_probs_tiles_kernel writes log p = U + m_t -
+lse. U is rounded once before the output is: |U| <= |log p|, so each entry is within two
+roundings of its own size (rounding z itself, as bf16 logits do, costs |z| / |log p|
+roundings).
 """
 
 from __future__ import annotations
