@@ -1034,7 +1034,8 @@ def test_row_chunk_sizes_up_to_rounded_grads():
 
 
 def test_row_chunk_log_softmax_logic(monkeypatch):
-    """log_softmax_chunks.log_softmax with a CPU stand-in for the fp32-output GEMM, several chunks."""
+    """log_softmax_chunks.log_softmax with a CPU stand-in for the fp32-output GEMM, several
+    chunks."""
     from fused_ce.kernels import log_softmax_chunks
 
     real_mm = torch.mm
