@@ -28,7 +28,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fused_ce.kernels import row_chunks  # noqa: E402
-from fused_ce.kernels.row_chunks import finished_logits, _fold_block, _fold_init  # noqa: E402
+from fused_ce.kernels.row_chunks import _fold_block, _fold_init, finished_logits  # noqa: E402
 from fused_ce.kernels.row_loss import store_row_stats  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def lean_kernel(z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, c_tgt
         z_ptr, ldz, e_ptr, lde, bias_ptr, target_ptr, row_idx_ptr, V, VPAD, BLOCK_V)
     has_t = (tgt >= 0) & (tgt < V)
     zt = tl.where(has_t, finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr, 1.0,
-                                          True, False), 0.0)
+                                         True, False), 0.0)
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     arg = tl.zeros((BLOCK_V,), tl.int32)
     acc = tl.zeros((BLOCK_V,), tl.float32)

@@ -18,7 +18,7 @@ out of fp16's subnormal range); the products divide it out.
 import triton
 import triton.language as tl
 
-from fused_ce.kernels.logits import logits_tile
+from fused_ce.kernels.logits import cap_derivative, logits_tile
 from fused_ce.kernels.row_loss import grad_coefs, smoothing
 
 
@@ -60,8 +60,7 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
     dz -= tl.where(cols[None, :] == tgt[:, None], c_tgt[:, None], 0.0)
     dz -= smoothing(cols[None, :], col_mask[None, :], c_smooth[:, None], cw_ptr, HAS_CW)
     if HAS_SOFTCAP:
-        u = z / softcap
-        dz *= 1.0 - u * u
+        dz *= cap_derivative(z, softcap)
     dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
 
     if STORE_D:

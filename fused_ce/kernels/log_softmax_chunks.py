@@ -17,8 +17,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config, logits_tiles
 from fused_ce.kernels.problem import descriptor_ok
-from fused_ce.kernels.row_chunks import (finished_logits, balanced_chunk, chunking,
-                                         cublas_fp32_out_available, padded_vocab, padded_weight)
+from fused_ce.kernels.row_chunks import (balanced_chunk, chunking, cublas_fp32_out_available,
+                                         finished_logits, padded_vocab, padded_weight)
 
 SINGLE_PASS_MAX_V = 32768  # a whole row of logits in one program's registers
 

@@ -32,6 +32,14 @@ def tanh(u):
 
 
 @triton.jit
+def cap_derivative(z, softcap):
+    """The softcap's derivative at a capped logit z = c tanh(y / c): dz/dy = 1 - (z / c)^2 (a
+    logit's gradient with a softcap is the capped one's times this)."""
+    u = z / softcap
+    return 1.0 - u * u
+
+
+@triton.jit
 def logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, col0, cols, col_mask, H, softcap,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
                 IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,

@@ -52,7 +52,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
-from fused_ce.kernels.logits import tanh
+from fused_ce.kernels.logits import cap_derivative, tanh
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothing,
                                        store_ignored_stats, store_row_stats)
@@ -280,8 +280,7 @@ def _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP: tl.constexpr):
     with a softcap (module doc)."""
     d_t = alpha * tl.exp(zt - lse) - c_tgt
     if HAS_SOFTCAP:
-        q = zt / softcap
-        d_t *= 1.0 - q * q
+        d_t *= cap_derivative(zt, softcap)
     return d_t
 
 

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from fused_ce.kernels import config, logits_tiles
-from fused_ce.kernels.logits import tanh
+from fused_ce.kernels.logits import cap_derivative, tanh
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_loss import (grad_coefs, smoothing, store_ignored_stats,
                                        store_row_stats)
@@ -67,7 +67,7 @@ from fused_ce.kernels.row_loss import (grad_coefs, smoothing, store_ignored_stat
 
 @triton.jit
 def finished_logits(z_row, cols, mask, bias_ptr, softcap, HAS_BIAS: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr):
     """fp32 GEMM output + bias (once), then the softcap; masked columns read 0."""
     z = tl.load(z_row + cols, mask=mask, other=0.0)
     if HAS_BIAS:
@@ -114,8 +114,7 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
     dz = (alpha * tl.exp(z - lse) - tl.where(cols == tgt, c_tgt, 0.0)
           - smoothing(cols, valid, c_smooth, cw_ptr, HAS_CW))
     if HAS_SOFTCAP:
-        u = z / softcap
-        dz *= 1.0 - u * u
+        dz *= cap_derivative(z, softcap)
     return tl.where(valid, dz, 0.0)
 
 
@@ -162,11 +161,11 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             z = finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
-                                 HAS_SOFTCAP)
+                                HAS_SOFTCAP)
             m, s, arg, ws = _fold_block(z, cols, V, m, s, arg, ws, cw_ptr, WITH_WS, HAS_CW)
         has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
         zt = tl.where(has_t, finished_logits(z_row, tl.where(has_t, tgt, 0), True, bias_ptr,
-                                              softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
+                                             softcap, HAS_BIAS, HAS_SOFTCAP), 0.0)
         lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
                               c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr,
                               am_ptr, nll_ptr, loss_ptr, WITH_WS, True)
@@ -177,7 +176,7 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             z = finished_logits(z_row, cols, cols < VPAD, bias_ptr, softcap, HAS_BIAS,
-                                 HAS_SOFTCAP)
+                                HAS_SOFTCAP)
             dz = _grad(z, cols, cols < V, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
                        HAS_CW, HAS_SOFTCAP)
             if D_OVER_Z:
