@@ -14,7 +14,8 @@ gemma2_softcap is Gemma-2's head with its logits softcapped at 30 (SOFTCAP), as 
 it, for the methods that take a softcap.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
-vocabulary sweep, which CUDA-graph capture gets), fused_ce_lowmem (low_memory=True),
+vocabulary sweep, which CUDA-graph capture gets for fp16 and fp32, and got for bf16 before
+NOTES.md #91), fused_ce_lowmem (low_memory=True),
 fused_ce_sweep_triton / fused_ce_lowmem_triton (the same two with the sweep's dX/dW products in
 Triton instead of cuBLAS), fused_ce_again (fused_ce once more, after the peers: a check
 that the order of methods does not change the numbers), fused_ce_stats (the same call with
@@ -120,7 +121,8 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             return lambda: lce(x, w, t, linear_bias=b, return_stats=True).loss
         return lambda: lce(x, w, t, linear_bias=b, low_memory=low, softcap=softcap)
     if name in ("fused_ce_sweep", "fused_ce_sweep_triton", "fused_ce_lowmem_triton"):
-        # the vocabulary sweep (the CUDA-graph path), optionally with its Triton products
+        # the vocabulary sweep (fp16's and fp32's CUDA-graph path), optionally with its Triton
+        # products
         from fused_ce.kernels import config
         lce, _ = _fused_api()
         low = name == "fused_ce_lowmem_triton"

@@ -344,6 +344,55 @@ def test_cuda_graph_capture(sweep_only, grads):
     _assert_identical(out, eager)
 
 
+@pytest.mark.parametrize("epilogue,ignored,reduction", [(True, 0.0, "mean"), (True, 0.85, "mean"),
+                                                     (False, 0.85, "mean"),
+                                                     (True, 0.5, "none")])
+def test_captured_training_step_row_chunks(epilogue, ignored, reduction, monkeypatch):
+    """A bf16 training step through the public API, warmed up eagerly (the path with the host
+    read) and then captured into a CUDA graph, as users capture it: under capture the loss takes
+    the row-chunk path with its chunks over all N positions and the count on the device
+    (row_chunks.forward_with_grads without ``read``), and the graph replayed on new values
+    (new targets, so a new valid count) gives the loss and gradients of fp64 within the
+    accuracy targets. Several chunks; the epilogue GEMM or cuBLAS fp32 logits; 'none' (its
+    backward from the given lse, the mean taken after it)."""
+    import fused_ce
+    from fused_ce.kernels import row_chunks
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)  # 3000 rows: several chunks
+    reads = []
+    real = row_chunks.forward_with_grads
+    monkeypatch.setattr(row_chunks, "forward_with_grads",
+                        lambda p, cf, read, *a, **kw: reads.append(read) or real(p, cf, read,
+                                                                                 *a, **kw))
+    x, w, b, t = _inputs(3000, 1024, 10007, torch.bfloat16, ignored=ignored)
+    for p in (x, w, b):
+        p.requires_grad_()
+
+    def step():
+        for p in (x, w, b):
+            p.grad = None
+        out = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction)
+        loss = out if reduction == "mean" else out.sum() / (t != -100).sum()
+        loss.backward()
+        return loss
+
+    graph, loss = _captured(step)
+    assert reads[0] is not None and reads[-1] is None  # eager: the host read; captured: none
+    x2, w2, b2, t2 = _inputs(3000, 1024, 10007, torch.bfloat16, ignored=ignored)
+    with torch.no_grad():
+        for p, q in ((x, x2), (w, w2), (b, b2), (t, t2)):
+            p.copy_(q)
+    graph.replay()
+    torch.cuda.synchronize()
+    xf, wf, bf = (p.detach().double().requires_grad_() for p in (x, w, b))
+    ref = F.cross_entropy(F.linear(xf, wf, bf), t)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
+    for p, q in ((x, xf), (w, wf), (b, bf)):
+        assert _rel(p.grad, q.grad) <= GRAD_TOL
+    assert (x.grad[t == -100] == 0).all()
+
+
 @pytest.mark.parametrize("dtype,low_memory,capture", [
     (torch.bfloat16, False, True), (torch.bfloat16, True, True), (torch.float16, True, False),
     (torch.float16, False, True)])

@@ -1,12 +1,14 @@
 """Triton kernels for CUDA: the same contract as ``fused_ce.reference`` (see its docstring).
 
 * ``forward``: per-row statistics of the logits; with ``coefs`` also their gradients.
-  - 16-bit inputs with gradients, outside CUDA-graph capture (the default training path):
-    row_chunks.py, three cuBLAS GEMMs per chunk of valid rows with the softmax work in one Triton
-    kernel between them. It reads the number of valid rows on the host once per call. For bf16
+  - 16-bit inputs with gradients (the default training path): row_chunks.py, three cuBLAS
+    GEMMs per chunk of valid rows with the softmax work in one Triton kernel between them. It
+    reads the number of valid rows on the host once per call; while a CUDA graph is captured
+    (bf16 only) its chunks span every row instead, the count staying on the device. For bf16
     heads (not with a softcap and label smoothing together) the logits GEMM is a Triton one
     whose epilogue does the softmax's first pass (logits_tiles.py).
-  - Otherwise (no gradients, fp32 inputs, graph capture, ``low_memory``): one statistics pass
+  - Otherwise (no gradients, fp32 inputs, fp16 under graph capture, ``low_memory``): one
+    statistics pass
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
     (16-bit inputs: the epilogue GEMM without E, stats_pass.py; otherwise row_stats.py), and
     the gradients follow from vocabulary sweeps (gradients.py). Valid rows
@@ -129,7 +131,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, i
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight,
                 scan=None if scan is None else (scan.row_idx, scan.counts))
     want = coefs is not None and (need_dx or need_dw or need_db)
-    if want and row_chunks.applicable(p, low_memory):
+    if want and row_chunks.applicable(p, low_memory, host_read=not _cannot_sync()):
         stats, grads, dx_rows = _row_chunks(
             p, coefs, with_weighted_sum, need_dx, need_dw, need_db, check_targets=check_targets,
             scan=scan, compact_dx=compact_dx and not round_grads)
@@ -173,7 +175,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                                   low_memory=low_memory, lse_is_local=lse_is_local)
     p = Problem(x, weight, bias, target, ignore_index, softcap, class_weight)
     unit, largest = _unit_coefs(p, coefs)
-    if row_chunks.applicable(p, low_memory):
+    if row_chunks.applicable(p, low_memory, host_read=not _cannot_sync()):
         _, grads, _ = _row_chunks(p, unit, False, need_dx, need_dw, need_db, lse_in=lse)
         wanted = [(g, dt) for g, dt in zip(grads, reference.grad_dtypes(x, weight, bias))
                   if g is not None]
@@ -212,6 +214,11 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
                 check_targets=False, scan=None, compact_dx=False):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
+    if _cannot_sync():  # CUDA-graph capture (bf16): chunks over all N, the count on the device
+        if check_targets:
+            check_target_values(p.target, p.V, p.ignore_index)  # an asynchronous device assert
+        return row_chunks.forward_with_grads(p, cf, None, scale, with_ws, need_dx, need_dw,
+                                             need_db, lse_in=lse_in, compact_dx=compact_dx)
     read = _count_read(p, scan, scale)
     return row_chunks.forward_with_grads(
         p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,

@@ -58,7 +58,11 @@ from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothin
                                        store_ignored_stats, store_row_stats)
 
 
-@triton.jit
+# (the chunk's row counts and offsets are not specialized on: one compiled kernel serves every
+# chunk size, so a chunk launched while a CUDA graph is captured, sized from N instead of the
+# valid count, runs the kernel that eager calls have loaded; loading a module during capture
+# is refused by some CUDA setups. The row counts only bound loops and per-row masks here.)
+@triton.jit(do_not_specialize=["c0", "M", "n_progs", "min_count"])
 def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0, M, V, H, m_ptr,
                         s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs, softcap, min_count,
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -191,7 +195,7 @@ def _exp(u):
     return tl.math.exp2(u * 1.4426950408889634)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["c0", "n_chunk"])
 def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x_ptr, ldx, w_ptr,
                         ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, count_ptr, c0,
                         c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
@@ -205,7 +209,9 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     statistics and (with WITH_LOSS) loss from its tiles and its target logit (_target_logit),
     then (with NEED_D) D over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN
     columns per step. Rows past the valid count (``count_ptr``, on the device) write nothing,
-    as in the GEMM. With FILL, programs r >= n_chunk write the ignored rows' statistics (0,
+    as in the GEMM, but (with NEED_D) a zero row of D: where the chunks were sized without the
+    count (CUDA-graph capture), the products over the chunk's rows then add nothing for them.
+    With FILL, programs r >= n_chunk write the ignored rows' statistics (0,
     argmax ``ignore_index``; row_loss.store_ignored_stats), FILL of them each."""
     r = tl.program_id(0).to(tl.int64)
     if FILL > 0:
@@ -214,11 +220,16 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
                                 ignore_index, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
                                 loss_ptr, FILL)
             return
-    if c0 + r >= tl.load(count_ptr):
-        return
     e_row = e_ptr + r * lde
     ti = tl.arange(0, TILES)
     cj = tl.arange(0, BN)
+    if c0 + r >= tl.load(count_ptr):
+        if NEED_D:
+            for v0 in range(0, VPAD, TILES * BN):
+                cols = v0 + ti[:, None] * BN + cj[None, :]
+                tl.store(e_row + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
+                         mask=cols < VPAD)
+        return
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
     t = tl.arange(0, BLOCK_T)
@@ -298,23 +309,27 @@ def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, s
     return d
 
 
-@triton.jit
-def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row_idx_ptr, c0,
-                   n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, db_ptr,
+@triton.jit(do_not_specialize=["c0", "n_rows"])
+def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row_idx_ptr,
+                   count_ptr, c0, n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
+                   lse_ptr, db_ptr,
                    V, VPAD, softcap, HAS_CW: tl.constexpr, ROWS: tl.constexpr,
                    TILES: tl.constexpr, BN: tl.constexpr, HAS_SOFTCAP: tl.constexpr = False):
     """D over E (finish_tiles_kernel's formula, from the lse and z_t it wrote) for the chunk
     rows [i ROWS, (i + 1) ROWS) and the columns of TILES vocabulary tiles j TILES + [0, TILES),
     where (i, j) is the program; the column sums of those rows' D, as stored (rounded), go to
     row i of ``db_ptr`` (VPAD wide): db's partial sums, which row_chunks.py adds up (a 16 MiB
-    read at bert8k). db then costs no second read of D."""
+    read at bert8k). db then costs no second read of D. Rows past the valid count
+    (``count_ptr``) get a zero row of D (finish_tiles_kernel's doc says why)."""
     i = tl.program_id(0)
     tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)
     cols = tiles[:, None] * BN + tl.arange(0, BN)[None, :]
     w_smooth = smoothing(cols, cols < V, 1.0, cw_ptr, HAS_CW)  # w_j (1 without class weights)
     acc = tl.zeros((TILES, BN), tl.float32)
     r0 = i.to(tl.int64) * ROWS
-    for k in range(0, tl.minimum(ROWS, n_rows - i * ROWS)):
+    n_here = tl.minimum(ROWS, n_rows - i * ROWS)
+    n_live = tl.maximum(tl.minimum(n_here, tl.load(count_ptr) - c0 - i * ROWS), 0)
+    for k in range(0, n_live):
         r = r0 + k
         row = tl.load(row_idx_ptr + c0 + r)
         tgt = tl.load(target_ptr + row)
@@ -326,6 +341,9 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row
         d = _store_d_block(e_ptr + r * lde, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse,
                            alpha, d_t, tgt, c_smooth * w_smooth, V, VPAD)
         acc += d.to(tl.float32)
+    for k in range(n_live, n_here):
+        tl.store(e_ptr + (r0 + k) * lde + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
+                 mask=cols < VPAD)
     tl.store(db_ptr + i.to(tl.int64) * VPAD + cols, acc, mask=cols < VPAD)
 
 
@@ -447,9 +465,10 @@ class TileStats:
         cc = xc.shape[0]
         stats_only = cf is None
         e_arg, vpad = (xc, 0) if e is None else (e, e.shape[1])
-        fill = cfg["fill_rows"] if fill_ignored else 0
-        # (the fill programs cover the row list from the valid count on, whatever it is)
-        fill_programs = triton.cdiv(p.N, fill) if fill else 0
+        # (the fill programs cover the row list from the valid count on, whatever it is; FILL
+        # is set with or without them, so that both launches run one compiled kernel)
+        fill = cfg["fill_rows"]
+        fill_programs = triton.cdiv(p.N, fill) if fill_ignored else 0
         finish_tiles_kernel[(cc + fill_programs,)](
             e_arg, vpad, self.m, self.s, self.a, self.ws, self.n_tiles, xc, xc.stride(0),
             p.weight, p.weight.stride(0), bias, p.H, p.cw_arg, p.target, p.row_idx, p.n_valid,
@@ -467,7 +486,8 @@ class TileStats:
         parts = db_part_rows(cfg, cc)
         width = tile_width(cfg)
         d_tiles_kernel[(parts, triton.cdiv(e.shape[1], cfg["db_tiles"] * width))](
-            e, e.shape[1], self.m, out.zt, self.n_tiles, p.cw_arg, p.target, p.row_idx, c0, cc,
+            e, e.shape[1], self.m, out.zt, self.n_tiles, p.cw_arg, p.target, p.row_idx,
+            p.n_valid, c0, cc,
             *cf, out.lse, db_parts, p.V, e.shape[1], p.softcap_arg,
             HAS_CW=p.class_weight is not None, HAS_SOFTCAP=p.softcap is not None,
             ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=width, num_warps=cfg["db_warps"])

@@ -45,11 +45,15 @@ valid rows in one chunk: at BERT's head 256 MiB, a quarter of the valid rows' be
 tokens; twice that with the GEMM ahead), the fp32 gradients (4 (N + V) H bytes, or
 4 (valid rows + V) H with ``compact_dx``: twice the 16-bit ones) and, with several chunks,
 the padded copy of W when V is not a multiple of 64. cuBLAS
-needs the number of valid rows on the host: the caller reads it once per call (with the fp16
-gradient scale and the count of out-of-range targets; the read starts asynchronously and is
-waited for after the launches that do not need it, the epilogue path's first GEMM among
-them), so this path is not used while a CUDA
-graph is being captured; the vocabulary sweep (gradients.py) serves that case.
+sizes its products by the number of valid rows: the caller reads it on the host once per call
+(with the fp16 gradient scale and the count of out-of-range targets; the read starts
+asynchronously and is waited for after the launches that do not need it, the epilogue path's
+first GEMM among them). While a CUDA graph is captured nothing may wait on the host: then
+(bf16 only, fp16's scale being a GEMM's alpha) the chunks span all N compacted positions, the
+count stays on the device, and the kernels write zero rows of D for the positions past it, so
+that the products over whole chunks add nothing for the ignored rows; they cost their GEMM
+time (H100, NOTES.md #91: a captured BERT step 3.0 ms against the vocabulary sweep's 4.5, the
+MLM step 3.5 against 4.6 and the eager step's 2.2).
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def _grad(z, cols, valid, lse, alpha, tgt, c_tgt, c_smooth, cw_ptr, softcap,
     return tl.where(valid, dz, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["c0", "n_rows", "n_grid"])  # (logits_tiles_kernel's comment)
 def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, c0,
                        n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD,
@@ -132,8 +136,9 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
     logits are the columns [0, V). Writes the row's statistics and its loss (ops.py's loss_i;
     unless LSE_IN: then ``lse_ptr`` is read) and, with NEED_D, dz * scale into D's columns
     [0, VPAD) (0 past V; scale read from ``scale_ptr`` with HAS_SCALE, else 1). Programs
-    n_rows <= r < n_grid write a zero row of D and nothing else (padding rows: see
-    DB_ROWS_ALIGN). With FILL, programs r >= n_grid write the statistics of the ignored rows
+    n_rows <= r < n_grid (padding rows: see DB_ROWS_ALIGN) and rows past the valid count
+    (``count_ptr``, on the device: chunks sized without it) write a zero row of D and nothing
+    else. With FILL, programs r >= n_grid write the statistics of the ignored rows
     (the row list's positions from the valid count ``count_ptr`` up to ``n_all``), FILL of them
     each (row_loss.store_ignored_stats)."""
     r = tl.program_id(0).to(tl.int64)
@@ -145,7 +150,7 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
             return
     lanes = tl.arange(0, BLOCK_V)
     d_row = d_ptr + r * ldd
-    if r >= n_rows:
+    if (r >= n_rows) | (c0 + r >= tl.load(count_ptr)):
         for v0 in range(0, VPAD, BLOCK_V):
             cols = v0 + lanes
             tl.store(d_row + cols, tl.zeros((BLOCK_V,), d_ptr.dtype.element_ty),
@@ -221,16 +226,20 @@ def gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: floa
     return torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
 
 
-def applicable(p: Problem, low_memory: bool) -> bool:
+def applicable(p: Problem, low_memory: bool, host_read: bool = True) -> bool:
     """The default for losses with gradients: 16-bit CUDA inputs (fp32 ones keep the exact
-    Triton path), outside CUDA-graph capture; config.ROW_CHUNKS_ON_CPU lets the interpreter
-    tests run it on the CPU."""
+    Triton path); config.ROW_CHUNKS_ON_CPU lets the interpreter tests run it on the CPU.
+    Without ``host_read`` (CUDA-graph capture: nothing may wait on the host) bf16 only: fp16's
+    D scale (gradients.grad_scale) is a GEMM's alpha, a host number."""
     if low_memory or p.N == 0 or not config.ROW_CHUNKS:
+        return False
+    if not host_read and p.x.dtype == torch.float16:
         return False
     if p.device.type != "cuda":
         return config.interpreting() and config.ROW_CHUNKS_ON_CPU
+    if not host_read and str(p.device) not in _PROBE:
+        return False  # (the probe waits for its result: it runs on a first call outside capture)
     return (not config.interpreting() and p.x.dtype in (torch.bfloat16, torch.float16)
-            and not torch.cuda.is_current_stream_capturing()
             and cublas_fp32_out_available(p.device))
 
 
@@ -467,20 +476,22 @@ class _GemmAhead:
         self.i += 1
 
 
-def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in, bp,
+def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, known, c, with_ws, need_d, lse_in, bp,
                   out: _Outputs, tiles: bool, first):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
-    freed on return), with the epilogue logits where ``tiles``; ``first``: a _FirstTileChunk
-    whose logits GEMM is the first chunk's, or None. Otherwise nothing is launched before the
-    first chunk's logits GEMM but the gather of x's valid rows: the GPU waits for it since the
-    host read."""
+    freed on return) over the compacted positions [0, nv), with the epilogue logits where
+    ``tiles``; ``known``: whether nv is the host's valid count (else all N); ``first``: a
+    _FirstTileChunk whose logits GEMM is the first chunk's, or None. Otherwise nothing is
+    launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
+    waits for it since the host read."""
     n, v, h, dev = p.N, p.V, p.H, p.device
+    all_valid = known and nv == n  # then the compacted positions are x's rows
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
     several = triton.cdiv(nv, c) > 1
     split = split_weight(p.weight)
     rows = p.row_idx[:nv]
-    if nv == n:
+    if all_valid:
         xv = p.x
     elif first is not None and nv <= first.x.shape[0]:  # gathered already
         xv = first.x[:nv]
@@ -491,7 +502,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     elif tiles:
         d, ts, db_parts = _tile_workspace(p, min(c, nv), with_ws, out.db32 is not None)
     if tiles:
-        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c))
+        # (one stream without the host read, i.e. under CUDA-graph capture)
+        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c) if known else 1)
     else:
         db_parts = None
         # db's product's row of ones (the epilogue path sums db_parts instead)
@@ -506,7 +518,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
     # dX's chunk product: straight into dX32 when every row is valid or it holds the valid
     # rows only (out.dx_rows), else into gathered rows copied to theirs
     dx_c = (torch.empty((min(c, nv), h), dtype=torch.float32, device=dev)
-            if out.dx32 is not None and nv < n and out.dx_rows is None else None)
+            if out.dx32 is not None and not all_valid and out.dx_rows is None else None)
     w, parts = p.weight, split  # the first chunk's logits come from W itself
     fin = p.cfg["row_finish"]
     for c0 in range(0, nv, c):
@@ -522,20 +534,22 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, c, with_ws, need_d, lse_in
             if ahead.on:
                 d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
-            if nv < n:  # (the finish kernels write the ignored rows' statistics)
+            if not all_valid:  # (the finish kernels write the ignored rows' statistics)
                 out.zero_ignored(p, stats=False)
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
                 parts = [(0, w.shape[0])]
         if tiles:
             n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts,
-                                fill_ignored=c0 == 0 and nv < n)
+                                fill_ignored=c0 == 0 and not all_valid)
         else:
             # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch, and
-            # the first chunk's launch writes the ignored rows' statistics
+            # the first chunk's launch writes the ignored rows' statistics (FILL set either
+            # way: one compiled kernel, as for logits_tiles.finish_tiles_kernel)
             grid_rows = _db_rows(cc) if out.db32 is not None else cc
-            fill = fin["fill_rows"] if c0 == 0 and nv < n and not lse_in else 0
-            fill_programs = triton.cdiv(n, fill) if fill else 0
+            fill = fin["fill_rows"]
+            fill_programs = (triton.cdiv(n, fill) if c0 == 0 and not all_valid and not lse_in
+                             else 0)
             finish_rows_kernel[(grid_rows + fill_programs,)](
                 z, v_pad, d, d.shape[1], bp, p.cw_arg, p.target, p.row_idx, c0, cc, *cf,
                 scale if scale is not None else z, out.lse, out.zt, out.ws, out.mx, out.am,
@@ -584,7 +598,11 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     the ignored rows and copied into (MLM: 54 of its 64 MiB). ``cf``: the per-row
     coefficients (gradients.row_coefs); ``read``: waits for the started host read of the valid
     count (kernels.CountRead), sets ``p.n_valid_host`` and returns D's scale; called once the
-    launches that do not depend on it are queued; ``scale``: the power of two dz is stored with
+    launches that do not depend on it are queued; None where nothing may wait on the host
+    (CUDA-graph capture; bf16 only: D's scale is then 1): the chunks then span all N compacted
+    positions, and the kernels give the rows past the device's valid count zero rows of D,
+    so that the dX, dW and db products over whole chunks add nothing for them; ``scale``: the
+    power of two dz is stored with
     (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1;
     ``read_arrived``: whether that read has already arrived (then nothing is speculated).
     With ``lse_in`` the statistics are not computed (None is returned for them) and the
@@ -604,11 +622,12 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     # launch computed nothing. Not where the count is on the host already
     # (fused_ce.prepare_targets, made early).
     first = None
-    if logits_tiles.applicable(p, lse_in, n, with_ws) and not read_arrived():
+    if read is not None and logits_tiles.applicable(p, lse_in, n, with_ws) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
         first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg)
-    d_scale = read()
-    nv = p.n_valid_host
+    # nv: the compacted positions the chunks cover (all N where the count stays on the device)
+    d_scale, nv = (read(), p.n_valid_host) if read is not None else (1.0, n)
+    all_valid = read is not None and nv == n  # then the compacted positions are x's rows
     tiles = logits_tiles.applicable(p, lse_in, nv, with_ws)
     # the epilogue kernels read the bias as given (masked past V), finish_rows_kernel an fp32
     # copy padded to v_pad
@@ -628,10 +647,10 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.db32 = torch.empty((1, v_pad), dtype=torch.float32, device=dev)
     if need_dx and compact_dx:
         out.dx32 = torch.empty((nv, h), dtype=torch.float32, device=dev)
-        out.dx_rows = p.row_idx if nv < n else None
+        out.dx_rows = None if all_valid else p.row_idx
     if nv > 0:
-        _sweep_chunks(p, cf, scale, d_scale, nv, c, with_ws, need_dx or need_dw or need_db,
-                      lse_in is not None, bp, out, tiles, first)
+        _sweep_chunks(p, cf, scale, d_scale, nv, read is not None, c, with_ws,
+                      need_dx or need_dw or need_db, lse_in is not None, bp, out, tiles, first)
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
         for g in (out.dw32, out.db32):

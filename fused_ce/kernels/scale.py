@@ -91,8 +91,10 @@ def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None) -> list:
     shapes = [s.shape for s in sources]
     if dx_rows is not None:
         shapes[0] = (dx_rows.shape[0], sources[0].shape[1])
-    outs = [s if s.dtype == dt and sh == s.shape else torch.empty(sh, dtype=dt, device=s.device)
-            for s, dt, sh in zip(sources, dtypes, shapes)]
+    # (in place only where nothing moves: a compact dx as tall as x is still a permutation)
+    outs = [s if s.dtype == dt and sh == s.shape and not (i == 0 and dx_rows is not None)
+            else torch.empty(sh, dtype=dt, device=s.device)
+            for i, (s, dt, sh) in enumerate(zip(sources, dtypes, shapes))]
     args, programs = [], 0
     rb = hb = 1
     for i in range(3):

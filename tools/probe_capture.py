@@ -1,0 +1,189 @@
+"""A training step's loss captured into a CUDA graph, as users capture it (CUDA only).
+
+    python tools/probe_capture.py --shapes bert8k,mlm [--rounds 3]
+
+Per shape, in one process:
+
+* ``capture_after_eager``: the fused loss (forward + backward through the public API) run
+  eagerly on a side stream (the usual warm-up), then captured with ``torch.cuda.graph`` and
+  replayed on new values; reports whether capture worked (a Triton kernel loaded for the first
+  time while a stream is captured fails: CUDA forbids cuModuleLoadData then), and the
+  replayed gradients' errors against fp32 on the new values.
+* ``compile_reduce_overhead``: the same step under ``torch.compile(mode="reduce-overhead")``
+  (CUDA-graph trees): works or not, and its errors.
+* times (median ms of CUDA events over ``--steps`` replays, after warm-up, ``--rounds``
+  alternating rounds): ``eager`` (the default path, host read), ``graph`` (the captured step
+  replayed: the row-chunk path without the host read, or whatever the library captures),
+  ``graph_sweep`` (the captured step with ``config.ROW_CHUNKS = False``: the vocabulary sweeps),
+  and the peak memory of each capture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import fused_ce  # noqa: E402
+from bench import SHAPES, make_inputs  # noqa: E402
+from fused_ce.kernels import config  # noqa: E402
+
+MiB = 2**20
+
+
+def _params(x, w, b):
+    return [p for p in (x, w, b) if p is not None]
+
+
+def _step(x, w, b, t):
+    for p in _params(x, w, b):
+        p.grad = None
+    loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
+    loss.backward()
+    return loss
+
+
+def _refresh(x, w, b, t, seed):
+    """New values in the same tensors (what a graph replays on)."""
+    x2, w2, b2, t2 = make_inputs_seed(x, w, b, t, seed)
+    with torch.no_grad():
+        for dst, src in zip((x, w, b, t), (x2, w2, b2, t2)):
+            if dst is not None:
+                dst.copy_(src)
+
+
+def make_inputs_seed(x, w, b, t, seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    x2 = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    w2 = (torch.randn(w.shape, device="cuda", generator=g) / w.shape[1] ** 0.5).to(w.dtype)
+    b2 = None if b is None else torch.randn(b.shape, device="cuda", generator=g).to(b.dtype)
+    frac = (t != -100).float().mean().item()
+    t2 = torch.randint(0, w.shape[0], t.shape, device="cuda", generator=g)
+    t2[torch.rand(t.shape, device="cuda", generator=g) >= frac] = -100
+    return x2, w2, b2, t2
+
+
+def _errors(x, w, b, t, loss):
+    xf = x.detach().float().requires_grad_()
+    wf = w.detach().float().requires_grad_()
+    bf = None if b is None else b.detach().float().requires_grad_()
+    ref = F.cross_entropy(F.linear(xf, wf, bf), t)
+    ref.backward()
+    rel = lambda a, r: ((a.float() - r).norm() / r.norm()).item()  # noqa: E731
+    out = {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "dx": rel(x.grad, xf.grad),
+           "dw": rel(w.grad, wf.grad)}
+    if b is not None:
+        out["db"] = rel(b.grad, bf.grad)
+    return out
+
+
+def _fmt(e):
+    return " ".join(f"{k} {v:.2e}" for k, v in e.items())
+
+
+def _capture(step, warmup_steps=2):
+    """(graph, loss, peak MiB of the capture) of ``step`` after ``warmup_steps`` eager runs on a
+    side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup_steps):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    torch.cuda.synchronize()
+    return graph, loss, (torch.cuda.max_memory_allocated() - base) / MiB
+
+
+def _time(fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def probe(shape, args):
+    n, h, v, bias, frac, kind = SHAPES[shape]
+    x, w, b, t = make_inputs(shape)
+    step = lambda: _step(x, w, b, t)  # noqa: E731
+    print(f"== {shape}: N {n} H {h} V {v} bias {bias} valid {frac}", flush=True)
+    graphs = {}
+    for name, row_chunks in (("graph", True), ("graph_sweep", False)):
+        config.ROW_CHUNKS = row_chunks
+        try:
+            graph, loss, peak = _capture(step)
+            _refresh(x, w, b, t, 1)
+            graph.replay()
+            torch.cuda.synchronize()
+            print(f"{name}: capture after eager warm-up OK, peak {peak:.0f} MiB, replayed on "
+                  f"new values: {_fmt(_errors(x, w, b, t, loss))}", flush=True)
+            graphs[name] = graph
+        except Exception as err:  # noqa: BLE001 (reported)
+            print(f"{name}: capture FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            traceback.print_exc(limit=3)
+            torch.cuda.synchronize()
+        finally:
+            config.ROW_CHUNKS = True
+    if args.compile:
+        try:
+            torch._dynamo.reset()
+            f = torch.compile(lambda x, w, b, t: _step(x, w, b, t), mode="reduce-overhead")
+            for i in range(4):
+                torch.compiler.cudagraph_mark_step_begin()
+                loss = f(x, w, b, t)
+            _refresh(x, w, b, t, 2)
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = f(x, w, b, t)
+            torch.cuda.synchronize()
+            print(f"compile_reduce_overhead: OK, new values: {_fmt(_errors(x, w, b, t, loss))}",
+                  flush=True)
+        except Exception as err:  # noqa: BLE001 (reported)
+            print(f"compile_reduce_overhead: FAILED: {type(err).__name__}: {str(err)[:300]}",
+                  flush=True)
+            traceback.print_exc(limit=3)
+    methods = {"eager": step, **{k: g.replay for k, g in graphs.items()}}
+    res = {k: [] for k in methods}
+    for _ in range(args.rounds):
+        for k, fn in methods.items():
+            res[k].append(_time(fn, args.steps))
+    print(" | ".join(f"{k} {' / '.join(f'{t:.3f}' for t in ts)} ms" for k, ts in res.items()),
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="bert8k,mlm")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for shape in args.shapes.split(","):
+        probe(shape, args)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
