@@ -11,8 +11,8 @@ Per shape, in one process:
   replayed gradients' errors against fp32 on the new values.
 * ``compile_reduce_overhead``: the same step under ``torch.compile(mode="reduce-overhead")``
   (CUDA-graph trees): works or not, and its errors.
-* times (median ms of CUDA events over ``--steps`` replays, after warm-up, ``--rounds``
-  alternating rounds): ``eager`` (the default path, host read), ``graph`` (the captured step
+* times (``triton.testing.do_bench``'s median ms over ``--rep-ms`` of steps after its
+  warm-up, ``--rounds`` alternating rounds): ``eager`` (the default path, host read), ``graph`` (the captured step
   replayed: the row-chunk path without the host read, or whatever the library captures),
   ``graph_sweep`` (the captured step with ``config.ROW_CHUNKS = False``: the vocabulary sweeps),
   and the peak memory of each capture.
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import traceback
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -109,21 +109,6 @@ def _capture(step, warmup_steps=2):
     return graph, loss, (torch.cuda.max_memory_allocated() - base) / MiB
 
 
-def _time(fn, steps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def probe(shape, args):
     n, h, v, bias, frac, kind = SHAPES[shape]
     x, w, b, t = make_inputs(shape)
@@ -167,7 +152,8 @@ def probe(shape, args):
     res = {k: [] for k in methods}
     for _ in range(args.rounds):
         for k, fn in methods.items():
-            res[k].append(_time(fn, args.steps))
+            res[k].append(triton.testing.do_bench(fn, warmup=50, rep=args.rep_ms,
+                                                  return_mode="median"))
     print(" | ".join(f"{k} {' / '.join(f'{t:.3f}' for t in ts)} ms" for k, ts in res.items()),
           flush=True)
 
@@ -176,7 +162,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="bert8k,mlm")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rep-ms", type=int, default=300, help="do_bench's measuring time")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
