@@ -220,6 +220,10 @@ def linear_cross_entropy(
     (asynchronous device assert while a CUDA graph is captured or torch.compile traces).
     ``prepared_targets``: ``prepare_targets(target, V, ignore_index=...)`` made earlier, so
     that this read does not wait (see there); the result is the same.
+
+    A training step that calls it can be captured into a CUDA graph (``torch.cuda.graph`` after
+    an eager warm-up, ``torch.compile(mode="reduce-overhead")``): while captured nothing waits
+    on the host, and the GEMMs then span the ignored rows too (README, "Exact semantics").
     """
     linear_weight, linear_bias = _unpack_linear(linear_weight, linear_bias)
     check.check_linear(input, linear_weight, linear_bias)

@@ -1261,12 +1261,16 @@ def test_api_backward_scales_by_upstream_gradient(grad_path):
         assert _rel(ours.grad, exp.grad) <= TOL[torch.float16]["grads"]
 
 
-@pytest.mark.parametrize("tiles,ignored,bias,softcap,class_weight,budget", [
-    (False, 0.4, True, 3.0, True, 7 * 128 * 4), (True, 0.4, True, None, True, 7 * 128 * 4),
-    (True, 0.4, False, None, False, 7 * 128 * 4), (True, 0.4, True, None, False, 2**20),
-    (True, 0.0, True, None, False, 7 * 128 * 4), (False, 1.0, True, None, False, 7 * 128 * 4),
-    (True, 1.0, False, None, False, 7 * 128 * 4)])
-def test_row_chunks_without_host_read(tiles, ignored, bias, softcap, class_weight, budget,
+@pytest.mark.parametrize("dtype,tiles,ignored,bias,softcap,class_weight,budget", [
+    (torch.float32, False, 0.4, True, 3.0, True, 7 * 128 * 4),
+    (torch.float32, True, 0.4, True, None, True, 7 * 128 * 4),
+    (torch.float32, True, 0.4, False, None, False, 7 * 128 * 4),
+    (torch.float32, True, 0.4, True, None, False, 2**20),
+    (torch.float32, True, 0.0, True, None, False, 7 * 128 * 4),
+    (torch.float32, False, 1.0, True, None, False, 7 * 128 * 4),
+    (torch.float32, True, 1.0, False, None, False, 7 * 128 * 4),
+    (torch.float16, False, 0.4, True, None, True, 7 * 128 * 4)])
+def test_row_chunks_without_host_read(dtype, tiles, ignored, bias, softcap, class_weight, budget,
                                       monkeypatch):
     """Where nothing may wait on the host (CUDA-graph capture; here kernels._cannot_sync
     patched) the row-chunk path reads no count: its chunks span all N compacted positions, and
@@ -1274,9 +1278,11 @@ def test_row_chunks_without_host_read(tiles, ignored, bias, softcap, class_weigh
     never computed: NaN from the poisoned allocations), so the products over whole chunks add
     nothing for them. The logits by cuBLAS-style fp32 Z (finish_rows_kernel) or by the epilogue
     GEMM (D by finish_tiles_kernel, or by d_tiles_kernel with a bias), several chunks or one,
-    rows ignored in between, none, or all. Statistics and gradients as the fp64 oracle's, for the
-    forward (dX of every row, or in the compacted order as the eager route keeps it) and for
-    the backward from a given lse (reduction='none')."""
+    rows ignored in between, none, or all; fp16 (fp32 Z: D holds dz times a power of two,
+    which the products keep until it is divided out on the device, their alpha being a host
+    number). Statistics and gradients as the fp64 oracle's, for the forward (dX of every row,
+    or in the compacted order as the eager route keeps it) and for the backward from a given
+    lse (reduction='none')."""
     monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", tiles)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
@@ -1291,9 +1297,10 @@ def test_row_chunks_without_host_read(tiles, ignored, bias, softcap, class_weigh
     used = _epilogue_path_used(monkeypatch)
     g = _gen()
     n, h, v = 45, 48, 101
-    x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, ignored=ignored,
+    x, w, b, t, cw = _inputs(n, h, v, dtype, bias=bias, ignored=ignored,
                              out_of_shard=False, class_weight=class_weight, g=g)
-    co = _coefs(n, g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))  # (mean-sized: fp16's D scale is 2^k, k > 0)
+    tol = TOL[dtype]["grads"]
     co64 = GradCoefs(*map(_d, co))
     need = (True, True, bias)
     kw = dict(with_weighted_sum=True, coefs=co, need_dx=True, need_dw=True, need_db=bias)
@@ -1303,14 +1310,14 @@ def test_row_chunks_without_host_read(tiles, ignored, bias, softcap, class_weigh
         ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, check_targets=True,
                                compact_dx=compact, round_grads=not compact, **kw)
         _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
-        dx = ours.dx
-        if compact:  # the backward's scatter of the compacted rows (upstream gradient 1)
+        grads = [ours.dx, ours.dw, ours.db]
+        if compact:  # the backward's scatter and rounding (upstream gradient 1)
             assert ours.dx.shape == (n, h) and torch.equal(ours.dx_rows, kernels.Problem(
                 x, w, b, t, IGNORE, None, None).row_idx)
-            dx = kernels.scaled_grads([ours.dx], [torch.float32], torch.ones(1),
-                                      ours.dx_rows)[0]
-        _check_grads({"dx": dx, "dw": ours.dw, "db": ours.db}, ref._asdict(), x, w, b, 1e-5,
-                     need)
+            grads[:2 + bias] = kernels.scaled_grads(grads[:2 + bias], [dtype] * (2 + bias),
+                                                    torch.ones(1), ours.dx_rows)
+        dx = grads[0]
+        _check_grads(dict(zip(("dx", "dw", "db"), grads)), ref._asdict(), x, w, b, tol, need)
         assert (dx[t == IGNORE] == 0).all()
     lse = ref.lse.float() + 0.1 * torch.rand(n, generator=g)
     back = kernels.backward(x, w, b, t, IGNORE, softcap, cw, lse, co, need_dx=True,
@@ -1318,7 +1325,7 @@ def test_row_chunks_without_host_read(tiles, ignored, bias, softcap, class_weigh
     ref_back = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw), lse.double(),
                                   co64, need_dx=True, need_dw=True, need_db=bias)
     _check_grads(dict(zip(("dx", "dw", "db"), back)), dict(zip(("dx", "dw", "db"), ref_back)),
-                 x, w, b, 1e-5, need)
+                 x, w, b, tol, need)
     assert len(spans) == 3 and all(nv == n and not known for nv, known, _ in spans)
     assert spans[0][2] < n if budget < 2**20 else spans[0][2] == n  # several chunks, or one
     assert len(used) == (2 * triton.cdiv(n, spans[0][2]) if tiles else 0)

@@ -344,17 +344,19 @@ def test_cuda_graph_capture(sweep_only, grads):
     _assert_identical(out, eager)
 
 
-@pytest.mark.parametrize("epilogue,ignored,reduction", [(True, 0.0, "mean"), (True, 0.85, "mean"),
-                                                     (False, 0.85, "mean"),
-                                                     (True, 0.5, "none")])
-def test_captured_training_step_row_chunks(epilogue, ignored, reduction, monkeypatch):
+@pytest.mark.parametrize("dtype,epilogue,ignored,reduction", [
+    (torch.bfloat16, True, 0.0, "mean"), (torch.bfloat16, True, 0.85, "mean"),
+    (torch.bfloat16, False, 0.85, "mean"), (torch.bfloat16, True, 0.5, "none"),
+    (torch.float16, False, 0.85, "mean")])
+def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, monkeypatch):
     """A bf16 training step through the public API, warmed up eagerly (the path with the host
     read) and then captured into a CUDA graph, as users capture it: under capture the loss takes
     the row-chunk path with its chunks over all N positions and the count on the device
     (row_chunks.forward_with_grads without ``read``), and the graph replayed on new values
     (new targets, so a new valid count) gives the loss and gradients of fp64 within the
     accuracy targets. Several chunks; the epilogue GEMM or cuBLAS fp32 logits; 'none' (its
-    backward from the given lse, the mean taken after it)."""
+    backward from the given lse, the mean taken after it); fp16 (D's scale divided out of the
+    products on the device)."""
     import fused_ce
     from fused_ce.kernels import row_chunks
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
@@ -364,7 +366,7 @@ def test_captured_training_step_row_chunks(epilogue, ignored, reduction, monkeyp
     monkeypatch.setattr(row_chunks, "forward_with_grads",
                         lambda p, cf, read, *a, **kw: reads.append(read) or real(p, cf, read,
                                                                                  *a, **kw))
-    x, w, b, t = _inputs(3000, 1024, 10007, torch.bfloat16, ignored=ignored)
+    x, w, b, t = _inputs(3000, 1024, 10007, dtype, ignored=ignored)
     for p in (x, w, b):
         p.requires_grad_()
 
@@ -378,7 +380,7 @@ def test_captured_training_step_row_chunks(epilogue, ignored, reduction, monkeyp
 
     graph, loss = _captured(step)
     assert reads[0] is not None and reads[-1] is None  # eager: the host read; captured: none
-    x2, w2, b2, t2 = _inputs(3000, 1024, 10007, torch.bfloat16, ignored=ignored)
+    x2, w2, b2, t2 = _inputs(3000, 1024, 10007, dtype, ignored=ignored)
     with torch.no_grad():
         for p, q in ((x, x2), (w, w2), (b, b2), (t, t2)):
             p.copy_(q)

@@ -14,6 +14,8 @@ Per shape, in one process:
 * times (``triton.testing.do_bench``'s median ms over ``--rep-ms`` of steps after its
   warm-up, ``--rounds`` alternating rounds): ``eager`` (the default path, host read), ``graph`` (the captured step
   replayed: the row-chunk path without the host read, or whatever the library captures),
+  ``graph_one_stream`` (with ``--one-stream``: the same with the next chunk's GEMM not run
+  ahead on a second stream, config ``overlap`` off),
   ``graph_sweep`` (the captured step with ``config.ROW_CHUNKS = False``: the vocabulary sweeps),
   and the peak memory of each capture.
 """
@@ -115,8 +117,13 @@ def probe(shape, args):
     step = lambda: _step(x, w, b, t)  # noqa: E731
     print(f"== {shape}: N {n} H {h} V {v} bias {bias} valid {frac}", flush=True)
     graphs = {}
-    for name, row_chunks in (("graph", True), ("graph_sweep", False)):
+    tiles = config.GPU["logits_tiles"]
+    variants = (("graph", True, tiles["overlap"]), ("graph_one_stream", True, False),
+                ("graph_sweep", False, tiles["overlap"]))
+    for name, row_chunks, overlap in variants if args.one_stream else (variants[0],
+                                                                        variants[2]):
         config.ROW_CHUNKS = row_chunks
+        default_overlap, tiles["overlap"] = tiles["overlap"], overlap
         try:
             graph, loss, peak = _capture(step)
             _refresh(x, w, b, t, 1)
@@ -131,6 +138,7 @@ def probe(shape, args):
             torch.cuda.synchronize()
         finally:
             config.ROW_CHUNKS = True
+            tiles["overlap"] = default_overlap
     if args.compile:
         try:
             torch._dynamo.reset()
@@ -164,6 +172,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=300, help="do_bench's measuring time")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="also capture with the tile configuration's overlap off (graph_one_stream)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for shape in args.shapes.split(","):

@@ -4,11 +4,10 @@
   - 16-bit inputs with gradients (the default training path): row_chunks.py, three cuBLAS
     GEMMs per chunk of valid rows with the softmax work in one Triton kernel between them. It
     reads the number of valid rows on the host once per call; while a CUDA graph is captured
-    (bf16 only) its chunks span every row instead, the count staying on the device. For bf16
+    its chunks span every row instead, the count staying on the device. For bf16
     heads (not with a softcap and label smoothing together) the logits GEMM is a Triton one
     whose epilogue does the softmax's first pass (logits_tiles.py).
-  - Otherwise (no gradients, fp32 inputs, fp16 under graph capture, ``low_memory``): one
-    statistics pass
+  - Otherwise (no gradients, fp32 inputs, ``low_memory``): one statistics pass
     computes lse, target logit, sum_j w_j z_j, max and argmax per row without storing logits
     (16-bit inputs: the epilogue GEMM without E, stats_pass.py; otherwise row_stats.py), and
     the gradients follow from vocabulary sweeps (gradients.py). Valid rows
@@ -214,7 +213,7 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
                 check_targets=False, scan=None, compact_dx=False):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
-    if _cannot_sync():  # CUDA-graph capture (bf16): chunks over all N, the count on the device
+    if _cannot_sync():  # CUDA-graph capture: chunks over all N, the count on the device
         if check_targets:
             check_target_values(p.target, p.V, p.ignore_index)  # an asynchronous device assert
         return row_chunks.forward_with_grads(p, cf, None, scale, with_ws, need_dx, need_dw,

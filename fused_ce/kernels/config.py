@@ -88,13 +88,13 @@ D_BYTES = 64 * 2**20
 D_BYTES_LOW_MEMORY = 8 * 2**20
 # Memory-minimal mode computes dX in row blocks whose fp32 accumulator stays under this.
 DX_ACC_BYTES_LOW_MEMORY = 4 * 2**20
-# Row-chunk cuBLAS path (row_chunks.py), the default for 16-bit losses with gradients on CUDA
-# (bf16 only under graph capture): bytes of the fp32 logits chunk Z, the largest of
-# ROW_CHUNK_BYTES, half the fp32 dW accumulator and (with gradients) 1 / ROW_CHUNKS_FEW of all
-# valid rows' Z, at most ROW_CHUNK_BYTES_MAX (all valid rows go in one chunk when they fit in
-# that, or in twice that with fewer than 2 ROW_CHUNK_SPLIT_MIN_ROWS rows;
-# row_chunks.row_chunk_budget). ROW_CHUNKS = False forces the all-Triton vocabulary sweep;
-# ROW_CHUNKS_ON_CPU runs the path under the interpreter (tests).
+# Row-chunk cuBLAS path (row_chunks.py), the default for 16-bit losses with gradients on CUDA:
+# bytes of the fp32 logits chunk Z, the largest of ROW_CHUNK_BYTES, half the fp32 dW
+# accumulator and (with gradients) 1 / ROW_CHUNKS_FEW of all valid rows' Z, at most
+# ROW_CHUNK_BYTES_MAX (all valid rows go in one chunk when they fit in that, or in twice that
+# with fewer than 2 ROW_CHUNK_SPLIT_MIN_ROWS rows; row_chunks.row_chunk_budget). ROW_CHUNKS =
+# False forces the all-Triton vocabulary sweep; ROW_CHUNKS_ON_CPU runs the path under the
+# interpreter (tests).
 ROW_CHUNK_BYTES = 256 * 2**20
 ROW_CHUNK_BYTES_MAX = 2**30
 ROW_CHUNKS_FEW = 4

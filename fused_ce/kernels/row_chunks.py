@@ -48,12 +48,12 @@ the padded copy of W when V is not a multiple of 64. cuBLAS
 sizes its products by the number of valid rows: the caller reads it on the host once per call
 (with the fp16 gradient scale and the count of out-of-range targets; the read starts
 asynchronously and is waited for after the launches that do not need it, the epilogue path's
-first GEMM among them). While a CUDA graph is captured nothing may wait on the host: then
-(bf16 only, fp16's scale being a GEMM's alpha) the chunks span all N compacted positions, the
-count stays on the device, and the kernels write zero rows of D for the positions past it, so
-that the products over whole chunks add nothing for the ignored rows; they cost their GEMM
-time (H100, NOTES.md #91: a captured BERT step 3.0 ms against the vocabulary sweep's 4.5, the
-MLM step 3.5 against 4.6 and the eager step's 2.2).
+first GEMM among them). While a CUDA graph is captured nothing may wait on the host: then the
+chunks span all N compacted positions, the count stays on the device, and the kernels write
+zero rows of D for the positions past it, so that the products over whole chunks add nothing
+for the ignored rows; they cost their GEMM time (H100, NOTES.md #91: a captured BERT step
+3.0 ms against the vocabulary sweep's 4.5, the MLM step 3.5 against 4.6 and the eager step's
+2.2).
 """
 
 from __future__ import annotations
@@ -229,11 +229,9 @@ def gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: floa
 def applicable(p: Problem, low_memory: bool, host_read: bool = True) -> bool:
     """The default for losses with gradients: 16-bit CUDA inputs (fp32 ones keep the exact
     Triton path); config.ROW_CHUNKS_ON_CPU lets the interpreter tests run it on the CPU.
-    Without ``host_read`` (CUDA-graph capture: nothing may wait on the host) bf16 only: fp16's
-    D scale (gradients.grad_scale) is a GEMM's alpha, a host number."""
+    ``host_read``: whether the caller may wait on the host for the valid count (not while a
+    CUDA graph is captured: forward_with_grads then runs without it)."""
     if low_memory or p.N == 0 or not config.ROW_CHUNKS:
-        return False
-    if not host_read and p.x.dtype == torch.float16:
         return False
     if p.device.type != "cuda":
         return config.interpreting() and config.ROW_CHUNKS_ON_CPU
@@ -502,8 +500,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, known, c, with_ws, need_d,
     elif tiles:
         d, ts, db_parts = _tile_workspace(p, min(c, nv), with_ws, out.db32 is not None)
     if tiles:
-        # (one stream without the host read, i.e. under CUDA-graph capture)
-        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c) if known else 1)
+        # (also while a graph is captured: the side stream forks from the capturing one and
+        # joins it again at each chunk's wait)
+        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c))
     else:
         db_parts = None
         # db's product's row of ones (the epilogue path sums db_parts instead)
@@ -599,11 +598,12 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     coefficients (gradients.row_coefs); ``read``: waits for the started host read of the valid
     count (kernels.CountRead), sets ``p.n_valid_host`` and returns D's scale; called once the
     launches that do not depend on it are queued; None where nothing may wait on the host
-    (CUDA-graph capture; bf16 only: D's scale is then 1): the chunks then span all N compacted
-    positions, and the kernels give the rows past the device's valid count zero rows of D,
-    so that the dX, dW and db products over whole chunks add nothing for them; ``scale``: the
-    power of two dz is stored with
-    (gradients.grad_scale, fp16 only: a device tensor, also in that read), None for 1;
+    (CUDA-graph capture; fp16's D scale then stays in the products until they are done, and
+    is divided out on the device): the chunks then span all N compacted positions, and the
+    kernels give the rows past the device's valid count zero rows of D, so that the dX, dW and
+    db products over whole chunks add nothing for them; ``scale``: the power of two dz is
+    stored with (gradients.grad_scale, fp16 only: a device tensor, also in that read), None
+    for 1;
     ``read_arrived``: whether that read has already arrived (then nothing is speculated).
     With ``lse_in`` the statistics are not computed (None is returned for them) and the
     gradients use the given lse.
@@ -651,6 +651,11 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, read is not None, c, with_ws,
                       need_dx or need_dw or need_db, lse_in is not None, bp, out, tiles, first)
+        if read is None and scale is not None:
+            # fp16 without the host read: the products kept D's scale (their alpha is a host
+            # number); a power of two, divided out exactly on the device
+            torch._foreach_div_([g for g in (out.dx32, out.dw32, out.db32) if g is not None],
+                                scale.reshape(()))
     else:  # no valid row: zero gradients
         out.zero_ignored(p)
         for g in (out.dw32, out.db32):

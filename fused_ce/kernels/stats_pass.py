@@ -1,7 +1,7 @@
 """The statistics pass by the epilogue GEMM: per-row lse, target logit, weighted sum, max,
 argmax and nll of ``z = x W^T + b`` without storing logits and without a host sync. It serves
 the forward pass without gradients (``torch.no_grad``, eval) and the lse that the vocabulary
-sweeps (gradients.py: fp32, fp16 under graph capture, ``low_memory``) start from, in place of
+sweeps (gradients.py: fp32, ``low_memory``) start from, in place of
 row_stats.py.
 
 Per chunk of c positions of the stable partition ``p.row_idx`` (valid rows first)::
