@@ -14,13 +14,17 @@ gemma2_softcap is Gemma-2's head with its logits softcapped at 30 (SOFTCAP), as 
 it, for the methods that take a softcap.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
-vocabulary sweep, which CUDA-graph capture gets for fp16 and fp32, and got for bf16 before
-NOTES.md #91), fused_ce_lowmem (low_memory=True),
+vocabulary sweep, which fp32 inputs take, and CUDA-graph capture took before NOTES.md #91),
+fused_ce_lowmem (low_memory=True),
 fused_ce_sweep_triton / fused_ce_lowmem_triton (the same two with the sweep's dX/dW products in
 Triton instead of cuBLAS), fused_ce_again (fused_ce once more, after the peers: a check
 that the order of methods does not change the numbers), fused_ce_stats (the same call with
 return_stats=True: lse, argmax and accuracy come from the same pass), eager (bf16 F.linear +
-F.cross_entropy), compile (torch.compile of eager), liger (LigerFusedLinearCrossEntropyLoss),
+F.cross_entropy), compile (torch.compile of eager), fused_ce_graphs / compile_graphs (fused_ce
+and eager under torch.compile(mode="reduce-overhead"): the step replayed from CUDA graphs, no
+host work per kernel; peak memory over the warm-up steps that record the graphs, comparable
+only run alone in a process: GRAPH_METHODS), liger
+(LigerFusedLinearCrossEntropyLoss),
 cce (cut_cross_entropy.linear_cross_entropy, no bias), torch_lce (torch's chunked
 F.linear_cross_entropy, torch >= 2.13), kernels (fused_ce.kernels.forward with gradients called
 directly: the kernels' own time and memory, no autograd layer), fused_ce_rowstats (``_eval``
@@ -64,8 +68,13 @@ SHAPES = {
 SOFTCAP = {"gemma2_softcap": 30.0}
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
-              "fused_ce_lowmem_triton", "kernels", "eager", "compile", "liger", "cce",
-              "torch_lce", "floor"]
+              "fused_ce_lowmem_triton", "kernels", "eager", "compile", "fused_ce_graphs",
+              "compile_graphs", "liger", "cce", "torch_lce", "floor"]
+# the methods run by torch.compile(mode="reduce-overhead"): CUDA-graph trees record the forward
+# and the backward during the warm-up steps and replay them after; their peak memory is taken
+# over the warm-up (the graphs' memory pool), not over one replay. The trees keep one pool per
+# process, which later recordings reuse: for their memory, one shape and method per process.
+GRAPH_METHODS = ("fused_ce_graphs", "compile_graphs")
 LS_METHODS = ["fused_ce", "fused_ce_fp32z", "eager", "compile", "floor"]
 EVAL_METHODS = ["fused_ce", "fused_ce_rowstats", "eager", "compile", "liger", "cce", "floor"]
 METHODS = {"ce": CE_METHODS, "logsoftmax": LS_METHODS, "eval": EVAL_METHODS}
@@ -104,7 +113,7 @@ def _logits(x, w, b, softcap=None):
 
 # the methods that take a softcap (SOFTCAP's shapes; training only)
 SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_fp32z", "fused_ce_epilogue", "eager",
-                   "compile", "liger", "cce", "floor")
+                   "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
 
 
 def method_fn(name, kind, x, w, b, t, softcap=None):
@@ -183,6 +192,18 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             f = torch.compile(lambda x, w, b, t: F.cross_entropy(_logits(x, w, b, softcap), t))
             return lambda: f(x, w, b, t)
         return lambda: f(x, w, b)
+    if name in GRAPH_METHODS:
+        if name == "fused_ce_graphs":
+            lce, _ = _fused_api()
+            loss = lambda x, w, b, t: lce(x, w, t, linear_bias=b, softcap=softcap)  # noqa: E731
+        else:
+            loss = lambda x, w, b, t: F.cross_entropy(_logits(x, w, b, softcap), t)  # noqa: E731
+        f = torch.compile(loss, mode="reduce-overhead")
+
+        def replay():
+            torch.compiler.cudagraph_mark_step_begin()  # (the last step's outputs are done)
+            return f(x, w, b, t)
+        return replay
     if name == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap)
@@ -316,15 +337,19 @@ def measure(name, shape, args):
     params = [p for p in (x, w, b) if p is not None]
     fn = method_fn(name, kind, x, w, b, t, SOFTCAP.get(shape))
     step = forward_backward(name, kind, fn, params)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     for _ in range(args.warmup_steps):  # compile, and the allocator's first large blocks
         step()
     torch.cuda.synchronize()
+    graphs_peak = (torch.cuda.max_memory_allocated() - base) / MiB
     grads_mib = sum(p.numel() * p.element_size() for p in params) / MiB if kind == "ce" else 0.0
     # memory: one call from a clean state (grads freed); for log-softmax the output itself is
     # part of the peak, like the peers'
     for p in params:
         p.grad = None
-    peak = peak_mib(step)
+    peak = graphs_peak if name in GRAPH_METHODS else peak_mib(step)
     est = triton.testing.do_bench(step, warmup=max(25, args.warmup_ms), rep=args.rep_ms,
                                   return_mode="median")
     err = {}
