@@ -1292,8 +1292,9 @@ def test_row_chunks_without_host_read(dtype, tiles, ignored, bias, softcap, clas
     spans = []
     real = row_chunks._sweep_chunks
     monkeypatch.setattr(row_chunks, "_sweep_chunks",
-                        lambda p, cf, scale, d_scale, nv, known, c, *a: spans.append(
-                            (nv, known, c)) or real(p, cf, scale, d_scale, nv, known, c, *a))
+                        lambda p, cf, scale, d_scale, nv, all_valid, c, *a: spans.append(
+                            (nv, all_valid, c)) or real(p, cf, scale, d_scale, nv, all_valid, c,
+                                                        *a))
     used = _epilogue_path_used(monkeypatch)
     g = _gen()
     n, h, v = 45, 48, 101
@@ -1326,6 +1327,6 @@ def test_row_chunks_without_host_read(dtype, tiles, ignored, bias, softcap, clas
                                   co64, need_dx=True, need_dw=True, need_db=bias)
     _check_grads(dict(zip(("dx", "dw", "db"), back)), dict(zip(("dx", "dw", "db"), ref_back)),
                  x, w, b, tol, need)
-    assert len(spans) == 3 and all(nv == n and not known for nv, known, _ in spans)
+    assert len(spans) == 3 and all(nv == n and not every for nv, every, _ in spans)
     assert spans[0][2] < n if budget < 2**20 else spans[0][2] == n  # several chunks, or one
     assert len(used) == (2 * triton.cdiv(n, spans[0][2]) if tiles else 0)

@@ -474,16 +474,15 @@ class _GemmAhead:
         self.i += 1
 
 
-def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, known, c, with_ws, need_d, lse_in, bp,
-                  out: _Outputs, tiles: bool, first):
+def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, need_d, lse_in,
+                  bp, out: _Outputs, tiles: bool, first):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
     freed on return) over the compacted positions [0, nv), with the epilogue logits where
-    ``tiles``; ``known``: whether nv is the host's valid count (else all N); ``first``: a
-    _FirstTileChunk whose logits GEMM is the first chunk's, or None. Otherwise nothing is
-    launched before the first chunk's logits GEMM but the gather of x's valid rows: the GPU
-    waits for it since the host read."""
+    ``tiles``; ``all_valid``: the count was read and every row is valid (the compacted
+    positions are then x's rows); ``first``: a _FirstTileChunk whose logits GEMM is the first
+    chunk's, or None. Otherwise nothing is launched before the first chunk's logits GEMM but
+    the gather of x's valid rows: the GPU waits for it since the host read."""
     n, v, h, dev = p.N, p.V, p.H, p.device
-    all_valid = known and nv == n  # then the compacted positions are x's rows
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
     several = triton.cdiv(nv, c) > 1
@@ -649,7 +648,7 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.dx32 = torch.empty((nv, h), dtype=torch.float32, device=dev)
         out.dx_rows = None if all_valid else p.row_idx
     if nv > 0:
-        _sweep_chunks(p, cf, scale, d_scale, nv, read is not None, c, with_ws,
+        _sweep_chunks(p, cf, scale, d_scale, nv, all_valid, c, with_ws,
                       need_dx or need_dw or need_db, lse_in is not None, bp, out, tiles, first)
         if read is None and scale is not None:
             # fp16 without the host read: the products kept D's scale (their alpha is a host
