@@ -8,7 +8,8 @@
 # a session's first call (~300 s): on an H200 its headline rows with torch.compile, else the
 # GPU tests, the MLM step's host stages and its kernels (twenty-sixth session); PART=check a
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
-# at the BERT shapes and the MLM host stages (twenty-seventh).
+# at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
+# (thirtieth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -69,6 +70,17 @@ mini) case "$gpu" in  # ~250 s: the H200's headline rows, or the GPU tests
         bash tools/gpu_steps.sh ;;
     *) tests ;;
     esac ;;
+graphs)  # ~200 s: captured steps (thirtieth session, #91): fused_ce and torch.compile under
+    # mode="reduce-overhead" beside eager mode at the BERT shapes, each graph method's memory
+    # from its own process, and the torch.cuda.graph probe with the vocabulary sweeps
+    STEPS=bench BENCH_TIMEOUT=200 REP_MS=300 BENCH_SHAPES=bert8k,mlm,bert16k \
+      BENCH_METHODS=fused_ce,fused_ce_graphs,compile,compile_graphs,floor bash tools/gpu_steps.sh
+    for s in bert8k mlm bert16k; do for m in fused_ce_graphs compile_graphs; do
+      timeout 60 python3 benchmarks/bench.py --out /tmp/g --rep-ms 300 --warmup-ms 50 \
+        --shapes $s --methods $m 2>&1 | grep -E "^$s " | tail -1; done; done \
+      | tee "$OUT/graphs_own_process.log"
+    timeout 150 python3 tools/probe_capture.py --shapes bert8k,mlm,bert16k --no-compile 2>&1 \
+      | grep -v Warn | tee "$OUT/capture.log" ;;
 exp) tests; stats_stages_ab 1
     STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=llama3,gemma2 TILES_CFGS='{};{"overlap": true}' \
     bash tools/gpu_steps.sh ;;
