@@ -211,8 +211,8 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     columns per step. Rows past the valid count (``count_ptr``, on the device) write nothing,
     as in the GEMM, but (with NEED_D) a zero row of D: where the chunks were sized without the
     count (CUDA-graph capture), the products over the chunk's rows then add nothing for them.
-    With FILL, programs r >= n_chunk write the ignored rows' statistics (0,
-    argmax ``ignore_index``; row_loss.store_ignored_stats), FILL of them each."""
+    With FILL, programs r >= n_chunk write the ignored rows' statistics (0, argmax
+    ``ignore_index``; row_loss.store_ignored_stats), FILL of them each."""
     r = tl.program_id(0).to(tl.int64)
     if FILL > 0:
         if r >= n_chunk:
@@ -312,8 +312,7 @@ def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, s
 @triton.jit(do_not_specialize=["c0", "n_rows"])
 def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row_idx_ptr,
                    count_ptr, c0, n_rows, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
-                   lse_ptr, db_ptr,
-                   V, VPAD, softcap, HAS_CW: tl.constexpr, ROWS: tl.constexpr,
+                   lse_ptr, db_ptr, V, VPAD, softcap, HAS_CW: tl.constexpr, ROWS: tl.constexpr,
                    TILES: tl.constexpr, BN: tl.constexpr, HAS_SOFTCAP: tl.constexpr = False):
     """D over E (finish_tiles_kernel's formula, from the lse and z_t it wrote) for the chunk
     rows [i ROWS, (i + 1) ROWS) and the columns of TILES vocabulary tiles j TILES + [0, TILES),
@@ -487,8 +486,7 @@ class TileStats:
         width = tile_width(cfg)
         d_tiles_kernel[(parts, triton.cdiv(e.shape[1], cfg["db_tiles"] * width))](
             e, e.shape[1], self.m, out.zt, self.n_tiles, p.cw_arg, p.target, p.row_idx,
-            p.n_valid, c0, cc,
-            *cf, out.lse, db_parts, p.V, e.shape[1], p.softcap_arg,
+            p.n_valid, c0, cc, *cf, out.lse, db_parts, p.V, e.shape[1], p.softcap_arg,
             HAS_CW=p.class_weight is not None, HAS_SOFTCAP=p.softcap is not None,
             ROWS=cfg["db_rows"], TILES=cfg["db_tiles"], BN=width, num_warps=cfg["db_warps"])
         return parts
