@@ -213,15 +213,16 @@ def _row_chunks(p: Problem, coefs: GradCoefs, with_ws, need_dx, need_dw, need_db
                 check_targets=False, scan=None, compact_dx=False):
     cf = row_coefs(p, coefs)
     scale = grad_scale(p, cf) if p.x.dtype == torch.float16 else None
+    wait, arrived = None, lambda: False
     if _cannot_sync():  # CUDA-graph capture: chunks over all N, the count on the device
         if check_targets:
             check_target_values(p.target, p.V, p.ignore_index)  # an asynchronous device assert
-        return row_chunks.forward_with_grads(p, cf, None, scale, with_ws, need_dx, need_dw,
-                                             need_db, lse_in=lse_in, compact_dx=compact_dx)
-    read = _count_read(p, scan, scale)
-    return row_chunks.forward_with_grads(
-        p, cf, lambda: read.wait(p, check_targets=check_targets), scale, with_ws, need_dx,
-        need_dw, need_db, lse_in=lse_in, read_arrived=read.arrived, compact_dx=compact_dx)
+    else:
+        read = _count_read(p, scan, scale)
+        wait, arrived = lambda: read.wait(p, check_targets=check_targets), read.arrived
+    return row_chunks.forward_with_grads(p, cf, wait, scale, with_ws, need_dx, need_dw, need_db,
+                                         lse_in=lse_in, read_arrived=arrived,
+                                         compact_dx=compact_dx)
 
 
 def _count_read(p: Problem, scan: Optional["TargetScan"], scale: Optional[Tensor] = None):

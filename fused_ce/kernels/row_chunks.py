@@ -532,7 +532,9 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
             if ahead.on:
                 d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
-            if not all_valid:  # (the finish kernels write the ignored rows' statistics)
+            # dX's rows that no chunk covers (the finish kernels write the ignored rows'
+            # statistics; positions spanning all N, as under capture, cover every row)
+            if nv < n:
                 out.zero_ignored(p, stats=False)
             if several:  # the padded copy serves every product from here on
                 w = padded_weight(p.weight)
