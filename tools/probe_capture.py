@@ -53,25 +53,13 @@ def _step(x, w, b, t):
     return loss
 
 
-def _refresh(x, w, b, t, seed):
-    """New values in the same tensors (what a graph replays on)."""
-    x2, w2, b2, t2 = make_inputs_seed(x, w, b, t, seed)
+def _refresh(shape, x, w, b, t, seed):
+    """New values of ``shape``'s inputs (bench.make_inputs with another seed) in the same
+    tensors: what a graph replays on."""
     with torch.no_grad():
-        for dst, src in zip((x, w, b, t), (x2, w2, b2, t2)):
+        for dst, src in zip((x, w, b, t), make_inputs(shape, seed)):
             if dst is not None:
                 dst.copy_(src)
-
-
-def make_inputs_seed(x, w, b, t, seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    x2 = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
-    w2 = (torch.randn(w.shape, device="cuda", generator=g) / w.shape[1] ** 0.5).to(w.dtype)
-    b2 = None if b is None else torch.randn(b.shape, device="cuda", generator=g).to(b.dtype)
-    frac = (t != -100).float().mean().item()
-    t2 = torch.randint(0, w.shape[0], t.shape, device="cuda", generator=g)
-    t2[torch.rand(t.shape, device="cuda", generator=g) >= frac] = -100
-    return x2, w2, b2, t2
 
 
 def _errors(x, w, b, t, loss):
@@ -126,7 +114,7 @@ def probe(shape, args):
         default_overlap, tiles["overlap"] = tiles["overlap"], overlap
         try:
             graph, loss, peak = _capture(step)
-            _refresh(x, w, b, t, 1)
+            _refresh(shape, x, w, b, t, 1)
             graph.replay()
             torch.cuda.synchronize()
             print(f"{name}: capture after eager warm-up OK, peak {peak:.0f} MiB, replayed on "
@@ -146,7 +134,7 @@ def probe(shape, args):
             for i in range(4):
                 torch.compiler.cudagraph_mark_step_begin()
                 loss = f(x, w, b, t)
-            _refresh(x, w, b, t, 2)
+            _refresh(shape, x, w, b, t, 2)
             torch.compiler.cudagraph_mark_step_begin()
             loss = f(x, w, b, t)
             torch.cuda.synchronize()
