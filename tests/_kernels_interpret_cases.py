@@ -1261,6 +1261,17 @@ def test_api_backward_scales_by_upstream_gradient(grad_path):
         assert _rel(ours.grad, exp.grad) <= TOL[torch.float16]["grads"]
 
 
+def test_cublas_check_not_made_without_host_read(monkeypatch):
+    """While a CUDA graph is captured (``probe=False``) the cuBLAS fp32-output check, which
+    waits for its result on the host, is not made: an unchecked device reads as without it
+    (the loss then takes the vocabulary sweeps), a checked one as checked."""
+    monkeypatch.setattr(row_chunks, "_PROBE", {})
+    assert not row_chunks.cublas_fp32_out_available(torch.device("cuda:3"), probe=False)
+    assert row_chunks._PROBE == {}  # (nothing was run on the device)
+    monkeypatch.setattr(row_chunks, "_PROBE", {"cuda:3": True})
+    assert row_chunks.cublas_fp32_out_available(torch.device("cuda:3"), probe=False)
+
+
 @pytest.mark.parametrize("dtype,tiles,ignored,bias,softcap,class_weight,budget", [
     (torch.float32, False, 0.4, True, 3.0, True, 7 * 128 * 4),
     (torch.float32, True, 0.4, True, None, True, 7 * 128 * 4),

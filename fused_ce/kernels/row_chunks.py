@@ -195,10 +195,14 @@ def finish_rows_kernel(z_ptr, ldz, d_ptr, ldd, bias_ptr, cw_ptr, target_ptr, row
 _PROBE = {}
 
 
-def cublas_fp32_out_available(device: torch.device) -> bool:
+def cublas_fp32_out_available(device: torch.device, probe: bool = True) -> bool:
     """Whether torch.mm / torch.addmm take ``out_dtype=float32`` for 16-bit CUDA inputs (an fp32
-    result/accumulator straight from cuBLAS), checked once against an fp32 product."""
+    result/accumulator straight from cuBLAS), checked once against an fp32 product. With
+    ``probe`` False a device not checked yet reads as without them (the check waits for its
+    result on the host: not possible while a CUDA graph is captured)."""
     key = str(device)
+    if key not in _PROBE and not probe:
+        return False
     if key not in _PROBE:
         try:
             a = torch.randn(24, 40, device=device).to(torch.bfloat16)
@@ -235,10 +239,8 @@ def applicable(p: Problem, low_memory: bool, host_read: bool = True) -> bool:
         return False
     if p.device.type != "cuda":
         return config.interpreting() and config.ROW_CHUNKS_ON_CPU
-    if not host_read and str(p.device) not in _PROBE:
-        return False  # (the probe waits for its result: it runs on a first call outside capture)
     return (not config.interpreting() and p.x.dtype in (torch.bfloat16, torch.float16)
-            and cublas_fp32_out_available(p.device))
+            and cublas_fp32_out_available(p.device, probe=host_read))
 
 
 def chunking(rows: int, bytes_per_row: int, dw32_bytes: int,

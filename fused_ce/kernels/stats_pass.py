@@ -1,8 +1,8 @@
 """The statistics pass by the epilogue GEMM: per-row lse, target logit, weighted sum, max,
 argmax and nll of ``z = x W^T + b`` without storing logits and without a host sync. It serves
 the forward pass without gradients (``torch.no_grad``, eval) and the lse that the vocabulary
-sweeps (gradients.py: fp32, ``low_memory``) start from, in place of
-row_stats.py.
+sweeps (gradients.py: ``low_memory``, or a step captured into a CUDA graph before any eager
+call checked cuBLAS) start from, in place of row_stats.py.
 
 Per chunk of c positions of the stable partition ``p.row_idx`` (valid rows first)::
 
