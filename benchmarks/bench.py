@@ -130,8 +130,8 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             return lambda: lce(x, w, t, linear_bias=b, return_stats=True).loss
         return lambda: lce(x, w, t, linear_bias=b, low_memory=low, softcap=softcap)
     if name in ("fused_ce_sweep", "fused_ce_sweep_triton", "fused_ce_lowmem_triton"):
-        # the vocabulary sweep (fp16's and fp32's CUDA-graph path), optionally with its Triton
-        # products
+        # the vocabulary sweep (fp32's path, and what a captured step took before NOTES.md
+        # #91), optionally with its Triton products
         from fused_ce.kernels import config
         lce, _ = _fused_api()
         low = name == "fused_ce_lowmem_triton"

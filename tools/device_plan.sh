@@ -23,9 +23,9 @@ large() { STEPS=large LARGE_TIMEOUT=${1:-560} REP_MS=${2:-1000} \
     LARGE_SHAPES=llama3,gemma2,llama3_eval,gemma2_eval \
     LARGE_METHODS=fused_ce,fused_ce_lowmem,compile,liger,cce,floor bash tools/gpu_steps.sh; }
 tests() { STEPS=tests bash tools/gpu_steps.sh; }
-# the H200's rows: BERT shapes within $1 s (with eager: 7-14 ms a step), the wide heads $3
-# within $2 s (without eager, whose logits take 12 GB; Cut CE from the thirty-first session,
-# whose PART=short took 124 s without eager, Cut CE and the eval rows of MLM and Gemma-2)
+# the H200's rows: BERT shapes within $1 s, with eager (7-14 ms a step); the wide heads $3
+# within $2 s, without eager (its logits take 12 GB). Without eager, Cut CE and the eval rows
+# of MLM and Gemma-2, PART=short took 124 s in the thirty-first session
 h200_rows() { STEPS=bench BENCH_TIMEOUT=$1 \
     BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval,mlm_eval \
     BENCH_METHODS=fused_ce,fused_ce_lowmem,eager,compile,liger,floor bash tools/gpu_steps.sh
@@ -40,11 +40,11 @@ table) bert 290; large 270 ;;
 all) tests; bert 230 ""; large 200 600 ;;
 bert) bert ;;
 large) large ;;
-short) case "$gpu" in  # what ~450 s allow: the H200's table without eager and Cut CE, or the tests
+short) case "$gpu" in  # what ~450 s allow: the H200's table, or the tests
     *H200*) h200_rows 230 200 llama3,gemma2,llama3_eval,gemma2_eval ;;
     *) tests; stats_stages_ab 2 ;;
     esac ;;
-fit) case "$gpu" in  # ~500 s: the GPU tests, then the H200's table without eager and Cut CE
+fit) case "$gpu" in  # ~500 s: the GPU tests, then the H200's table (less the wide heads' eval rows)
     *H200*) tests; h200_rows 170 150 llama3,gemma2 ;;
     *) tests; stats_stages_ab 1 ;;
     esac ;;
