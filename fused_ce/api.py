@@ -103,7 +103,9 @@ def _is_dtensor(t) -> bool:
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    if torch.is_autocast_enabled(device_type):
+    """The autocast dtype in effect for ``device_type``, None where there is none (and for
+    device types without autocast, such as 'meta')."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 

@@ -290,10 +290,12 @@ _LinearCeRows = _eager_function("LinearCeRows", _linear_ce_rows, _rows_setup, _r
 def _plain_eager(*tensors) -> bool:
     """Eager mode on plain tensors. There the loss ops run as autograd.Functions: a custom op's
     Python dispatch with autograd costs ~0.4 ms of host time per call (H200, NOTES.md #23),
-    which is most of the MLM step. torch.compile, fake/functional tensors, tensor subclasses
-    and active dispatch modes (which then see one op, as under compile) get the custom ops."""
+    which is most of the MLM step. torch.compile, fake/functional tensors, meta tensors (shapes
+    only: the custom ops' fake implementations), tensor subclasses and active dispatch modes
+    (which then see one op, as under compile) get the custom ops."""
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
+            and all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and not t.is_meta)
+                    for t in tensors))
 
 
 def loss_sum(*args, scan=None):

@@ -114,3 +114,27 @@ def test_eager_route_refuses_double_and_second_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none", "label_smoothing": 0.1},
+                                    {"low_memory": True, "z_loss": 1e-4}])
+def test_meta_tensors_give_shapes(kwargs):
+    """On meta tensors (shape inference, memory planning, models built with device='meta') the
+    loss, its statistics, its gradients and linear_log_softmax have torch's shapes and dtypes,
+    as F.cross_entropy(F.linear(...)) has there; nothing reads a value."""
+    x = torch.randn(2, 3, 17, device="meta", requires_grad=True)
+    w = torch.randn(11, 17, device="meta", requires_grad=True)
+    b = torch.randn(11, device="meta", requires_grad=True)
+    t = torch.randint(0, 11, (2, 3), device="meta")
+    loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, **kwargs)
+    ref = torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(x, w, b).transpose(1, 2), t,
+        **{k: v for k, v in kwargs.items() if k in ("reduction", "label_smoothing")})
+    assert (loss.shape, loss.dtype, loss.device.type) == (ref.shape, ref.dtype, "meta")
+    loss.sum().backward()
+    assert (x.grad.shape, w.grad.shape, b.grad.shape) == (x.shape, w.shape, b.shape)
+    assert x.grad.is_meta and w.grad.is_meta and b.grad.is_meta
+    stats = fused_ce.linear_cross_entropy(x, w, t, return_stats=True, **kwargs)
+    assert stats.lse.shape == stats.predicted.shape == (2, 3) and stats.accuracy.shape == ()
+    logp = fused_ce.linear_log_softmax(x, w, b)
+    assert logp.shape == (2, 3, 11) and logp.is_meta
