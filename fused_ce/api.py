@@ -304,5 +304,5 @@ def linear_log_softmax(input: Tensor, linear_weight: Union[Tensor, nn.Linear],
     check.check_linear(input, linear_weight, linear_bias)
     (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
     with ctx:
-        out = ops.linear_log_softmax(x.reshape(-1, x.shape[-1]), w, b)
+        out = ops.log_softmax(x.reshape(-1, x.shape[-1]), w, b)
     return out.reshape(*input.shape[:-1], w.shape[0])

@@ -287,15 +287,37 @@ _LinearCeSum = _eager_function("LinearCeSum", partial(_ce_sum, compact_dx=True),
 _LinearCeRows = _eager_function("LinearCeRows", _linear_ce_rows, _rows_setup, _rows_backward)
 
 
+_FUNC_GRAD = ("fused_ce: torch.func's grad, vjp, jacrev and jvp cannot differentiate the fused "
+              "loss or log-softmax (their gradients come from their own backward functions, which "
+              "torch's custom ops do not expose to these transforms); use loss.backward() or "
+              "torch.autograd.grad (torch.func.vmap of the forward works)")
+
+
+def _under_func_transform(tensors) -> bool:
+    """Whether torch.func transforms wrap these tensors: vmap then takes the custom ops (the
+    eager route's autograd.Function cannot be vmapped); grad and jvp raise _FUNC_GRAD instead
+    of torch's message about setup_context. (Skipped under torch.compile, whose dynamo cannot
+    trace the check: False there.)"""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if torch.compiler.is_compiling() or not any(t is not None and wrapped(t) for t in tensors):
+        return False
+    from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
+    if any(i.key() in (TransformType.Grad, TransformType.Jvp)
+           for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(_FUNC_GRAD)
+    return True
+
+
 def _plain_eager(*tensors) -> bool:
     """Eager mode on plain tensors. There the loss ops run as autograd.Functions: a custom op's
     Python dispatch with autograd costs ~0.4 ms of host time per call (H200, NOTES.md #23),
     which is most of the MLM step. torch.compile, fake/functional tensors, meta tensors (shapes
-    only: the custom ops' fake implementations), tensor subclasses and active dispatch modes
-    (which then see one op, as under compile) get the custom ops."""
+    only: the custom ops' fake implementations), torch.func.vmap, tensor subclasses and active
+    dispatch modes (which then see one op, as under compile) get the custom ops."""
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and not t.is_meta)
-                    for t in tensors))
+                    for t in tensors)
+            and not _under_func_transform(tensors))
 
 
 def loss_sum(*args, scan=None):
@@ -358,3 +380,10 @@ def _lsm_backward(ctx, g_out):
 
 torch.library.register_autograd("fused_ce::linear_log_softmax", _lsm_backward,
                                 setup_context=_lsm_setup)
+
+
+def log_softmax(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``linear_log_softmax(x, weight, bias)`` (a custom op on every route), with _FUNC_GRAD's
+    error under torch.func's grad and jvp."""
+    _under_func_transform((x, weight, bias))
+    return linear_log_softmax(x, weight, bias)

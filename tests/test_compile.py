@@ -138,3 +138,35 @@ def test_meta_tensors_give_shapes(kwargs):
     assert stats.lse.shape == stats.predicted.shape == (2, 3) and stats.accuracy.shape == ()
     logp = fused_ce.linear_log_softmax(x, w, b)
     assert logp.shape == (2, 3, 11) and logp.is_meta
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none"},
+                                    {"reduction": "sum", "label_smoothing": 0.1},
+                                    {"low_memory": True}])
+def test_vmap_matches_per_sample(kwargs):
+    """torch.func.vmap of the loss (the custom ops' route: the eager route's autograd.Function
+    cannot be vmapped) equals the loss of each sample, against fp64 torch."""
+    torch.manual_seed(torch.seed() % 2**31)
+    w = torch.randn(13, 8, dtype=torch.float64)
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    t = torch.randint(0, 13, (4, 3))
+    t[0, 1] = -100
+    got = torch.func.vmap(lambda a, tt: fused_ce.linear_cross_entropy(a, w, tt, **kwargs))(x, t)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k != "low_memory"}
+    ref = torch.stack([cross_entropy64(x[i], w, t[i], **ref_kwargs) for i in range(4)])
+    assert rel_err(got, ref) < 1e-12
+    logp = torch.func.vmap(lambda a: fused_ce.linear_log_softmax(a, w))(x)
+    assert rel_err(logp, (x @ w.T).log_softmax(-1)) < 1e-12
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jvp"])
+def test_func_gradient_transforms_raise_clearly(transform):
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w = torch.randn(13, 8, dtype=torch.float64)
+    t = torch.tensor([1, 2, -100])
+    loss = lambda a: fused_ce.linear_cross_entropy(a, w, t)  # noqa: E731
+    call = {"grad": lambda: torch.func.grad(loss)(x),
+            "jacrev": lambda: torch.func.jacrev(lambda a: fused_ce.linear_log_softmax(a, w))(x),
+            "jvp": lambda: torch.func.jvp(loss, (x,), (x,))}[transform]
+    with pytest.raises(NotImplementedError, match="torch.func's grad, vjp, jacrev and jvp"):
+        call()
