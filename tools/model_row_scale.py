@@ -18,14 +18,7 @@ import math
 
 import torch
 
-
-def rel(a, ref):
-    return ((a - ref).norm() / ref.norm()).item()
-
-
-def bf16(a):
-    """``a`` rounded to bf16 (to nearest), back in fp64."""
-    return a.to(torch.bfloat16).double()
+from model_mean_rounding import bf16, rel  # (this folder: the script's own)
 
 
 def main():
