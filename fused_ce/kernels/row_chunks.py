@@ -201,9 +201,9 @@ def cublas_fp32_out_available(device: torch.device, probe: bool = True) -> bool:
     ``probe`` False a device not checked yet reads as without them (the check waits for its
     result on the host: not possible while a CUDA graph is captured)."""
     key = str(device)
-    if key not in _PROBE and not probe:
-        return False
     if key not in _PROBE:
+        if not probe:
+            return False
         try:
             a = torch.randn(24, 40, device=device).to(torch.bfloat16)
             b = torch.randn(40, 16, device=device).to(torch.bfloat16)
