@@ -67,7 +67,8 @@ SHAPES = {
 }
 SOFTCAP = {"gemma2_softcap": 30.0}
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
-              "fused_ce_epilogue", "fused_ce_sweep", "fused_ce_lowmem", "fused_ce_sweep_triton",
+              "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "fused_ce_sweep",
+              "fused_ce_lowmem", "fused_ce_sweep_triton",
               "fused_ce_lowmem_triton", "kernels", "eager", "compile", "fused_ce_graphs",
               "compile_graphs", "liger", "cce", "torch_lce", "floor"]
 # the methods run by torch.compile(mode="reduce-overhead"): CUDA-graph trees record the forward
@@ -112,7 +113,8 @@ def _logits(x, w, b, softcap=None):
 
 
 # the methods that take a softcap (SOFTCAP's shapes; training only)
-SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_fp32z", "fused_ce_epilogue", "eager",
+SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_fp32z", "fused_ce_epilogue",
+                   "fused_ce_rowref", "fused_ce_dpass", "eager",
                    "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
 
 
@@ -181,6 +183,23 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             finally:
                 config.LOGITS_EPILOGUE = default
         return run_logits_variant
+    if name in ("fused_ce_rowref", "fused_ce_dpass"):
+        # the epilogue path with E against one reference per row (kernels/row_ref.py) where it
+        # applies, or with every tile's own max and the D pass, whatever the configuration says
+        from fused_ce.kernels import config
+        lce, _ = _fused_api()
+        tiles = [config.CONFIG[k]["logits_tiles"] for k in ("gpu", "gpu_wide")]
+
+        def run_row_ref_variant():
+            defaults = [cfg["row_ref"] for cfg in tiles]
+            for cfg in tiles:
+                cfg["row_ref"] = name == "fused_ce_rowref"
+            try:
+                return lce(x, w, t, linear_bias=b, softcap=softcap)
+            finally:
+                for cfg, default in zip(tiles, defaults):
+                    cfg["row_ref"] = default
+        return run_row_ref_variant
     if name == "eager":
         if kind == "logsoftmax":
             return lambda: F.log_softmax(F.linear(x, w, b), -1)

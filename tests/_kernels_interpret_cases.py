@@ -103,6 +103,18 @@ def _recorded(monkeypatch, owner, name):
     return results
 
 
+def _recorded_instances(monkeypatch, cls):
+    """Every instance of ``cls`` made while the case runs, in a list."""
+    made = []
+    real = cls.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
 def _epilogue_split(monkeypatch, split):
     """The interpreter's epilogue GEMM on its whole tile (1) or on column halves (2)."""
     monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
@@ -1341,3 +1353,58 @@ def test_row_chunks_without_host_read(dtype, tiles, ignored, bias, softcap, clas
     assert len(spans) == 3 and all(nv == n and not every for nv, every, _ in spans)
     assert spans[0][2] < n if budget < 2**20 else spans[0][2] == n  # several chunks, or one
     assert len(used) == (2 * triton.cdiv(n, spans[0][2]) if tiles else 0)
+
+
+@pytest.mark.parametrize("n,h,v", [(1, 52, 37), (45, 52, 101), (90, 48, 71)])
+@pytest.mark.parametrize("bias,class_weight,budget,softcap,far", [
+    (True, False, 2**20, None, False), (False, True, 7 * 128 * 4, None, False),
+    (True, True, 2**20, 2.0, False), (True, True, 2**20, None, True),
+    (False, True, 7 * 128 * 4, None, True)])
+def test_row_ref_path(n, h, v, bias, class_weight, budget, softcap, far, monkeypatch):
+    """The epilogue path with one reference logit per row (row_ref.py: E against the target
+    logit, D = s E' per row, dX = s (E' W), dW = E'^T (s x)) against fp64: losses without label
+    smoothing and without db (a bias given, not differentiated), a softcap, class weights, a
+    z-loss, ignored rows and out-of-shard targets, one chunk or several. With ``far``, every
+    third row of x is 30 times larger (logits of scale 30: tiles whose max lies over 40 above
+    the target logit take their own, and rows whose loss exceeds 40 nats the whole D row), a
+    bias of +45 on one column, and the last row's coefficients are 0 (s_r = 0: the whole D
+    row); out-of-shard targets take it too, the other rows keep the scale. Which rows did is
+    read from s with one chunk (1 for a whole D row)."""
+    from fused_ce.kernels import row_ref
+
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "row_ref": True})
+    used = _epilogue_path_used(monkeypatch)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
+    monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
+    made = _recorded_instances(monkeypatch, row_ref.RowRefs)
+    g = _gen()
+    x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, class_weight=class_weight,
+                             ignored=0.25 if n > 1 else 0.0, g=g)
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    co = co._replace(smooth=torch.zeros(n), prob=co.target)
+    if far:
+        x[::3] *= 30
+        if b is None:
+            b = torch.zeros(v)
+        b[int(torch.randint(0, v, (1,), generator=g))] = 45.0
+        co.target[-1] = co.prob[-1] = co.lse_sq[-1] = 0.0
+    kw = dict(with_weighted_sum=False, coefs=co, need_dx=True, need_dw=True, need_db=False)
+    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, **kw)
+    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert used and len(made) == 1, "the row-reference path did not run"
+    _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
+    _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, False))
+    assert (ours.dx[t == IGNORE] == 0).all()
+    if budget == 2**20 and n > 1:  # one chunk: s[k] is the k-th row not ignored
+        tv = t[t != IGNORE]
+        in_shard = (tv >= 0) & (tv < v)
+        s = made[0].s[:len(tv)]
+        assert (s[~in_shard] == 1).all()
+        if far:
+            assert (s[in_shard] == 1).any() and (s[in_shard] != 1).any()
+        else:
+            assert (s[in_shard] != 1).all()

@@ -35,8 +35,8 @@ def _loss64(x, w, b, t):
 
 
 @pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "fused_ce_fp32z",
-                                    "fused_ce_epilogue", "fused_ce_rowstats", "eager",
-                                    "torch_lce"])
+                                    "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass",
+                                    "fused_ce_rowstats", "eager", "torch_lce"])
 def test_bench_methods_compute_the_loss(method):
     bench = _load("bench")
     x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
@@ -50,7 +50,7 @@ def test_bench_methods_compute_the_loss(method):
 
 
 @pytest.mark.parametrize("method", ["fused_ce", "fused_ce_lowmem", "fused_ce_fp32z",
-                                    "fused_ce_epilogue", "eager"])
+                                    "fused_ce_epilogue", "fused_ce_rowref", "eager"])
 def test_bench_softcapped_methods_and_reference(method):
     """The softcapped shape's closures (bench.SOFTCAP, gemma2_softcap) compute the softcapped
     loss, and reference_fp32 takes the same softcap: loss and gradients of a method against it

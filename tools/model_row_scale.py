@@ -48,6 +48,57 @@ def main():
         print(f"{scale:3.0f} {ref_kind:9s} today {today[0]:.3e} / {today[1]:.3e}   row scale "
               f"{row_scale[0]:.3e} / {row_scale[1]:.3e}   rounded once {once[0]:.3e} / "
               f"{once[1]:.3e}", flush=True)
+    built()
+
+
+def built():
+    """The scheme as built (thirty-third session, fused_ce/kernels/row_ref.py): L_r the target
+    logit, E's target entry 0 and the target term D_t (fp32) added to the products' results:
+    dX = s (E W) + D_t W_t, dW = E^T bf16(s x) + onehot^T (D_t x). Against today's D, the
+    scheme above (E's target entry kept, -1 added after the products: "after") and E's target
+    entry set to D_t / s_r ("D_t / s in E": the target term then goes through bf16(s x) and a
+    second rounding), on random rows and on a trained model's rows (a third with p_t ~ 0.999,
+    a third ~ 0.2: x's row pulled toward W_t), where D_t = p_t - 1 is small."""
+    torch.manual_seed(1)
+    n, h, v = 1024, 1024, 30522
+    print("rows: dX / dW error against fp64: today's D | target term after the products | "
+          "D_t / s in E | as built (target terms apart)")
+    for kind in ("random", "confident"):
+        w = (torch.randn(v, h) / math.sqrt(h)).bfloat16().double()
+        t = torch.randint(0, v, (n,))
+        x = torch.randn(n, h).double()
+        if kind == "confident":
+            pull = torch.where(torch.arange(n)[:, None] % 3 == 0, 16.0,
+                               torch.where(torch.arange(n)[:, None] % 3 == 1, 8.0, 0.0))
+            x = 0.5 * x + pull * w[t]
+        x = x.bfloat16().double()
+        z = x @ w.t()
+        lse = torch.logsumexp(z, 1, keepdim=True)
+        p = torch.exp(z - lse)
+        rows = torch.arange(n)
+        onehot = torch.zeros_like(p)
+        onehot[rows, t] = 1
+        ref_dx, ref_dw = (p - onehot) @ w, (p - onehot).t() @ x
+        d = bf16(p - onehot)
+        today = rel(bf16(d @ w), ref_dx), rel(bf16(d.t() @ x), ref_dw)
+        zt = z.gather(1, t[:, None])
+        s = torch.exp(zt - lse)
+        e = bf16(torch.exp(z - zt))
+        sx = bf16(s * x)
+        after = (rel(bf16(s * (e @ w) - w[t]), ref_dx),
+                 rel(bf16(e.t() @ sx - onehot.t() @ x), ref_dw))
+        dt = (p[rows, t] - 1)[:, None]
+        e_t = e.clone()
+        e_t[rows, t] = bf16(dt[:, 0] / s[:, 0])
+        in_e = rel(bf16(s * (e_t @ w)), ref_dx), rel(bf16(e_t.t() @ sx), ref_dw)
+        e[rows, t] = 0
+        built = (rel(bf16(s * (e @ w) + dt * w[t]), ref_dx),
+                 rel(bf16(e.t() @ sx + onehot.t() @ (dt * x)), ref_dw))
+        pt = p[rows, t]
+        print(f"{kind:9s} (median p_t {pt.median().item():.3g}): today {today[0]:.3e} / "
+              f"{today[1]:.3e} | after {after[0]:.3e} / {after[1]:.3e} | D_t / s in E "
+              f"{in_e[0]:.3e} / {in_e[1]:.3e} | as built {built[0]:.3e} / {built[1]:.3e}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ GPU = {
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=0, db_rows=64, db_tiles=16, db_warps=8,
-                         overlap=True, stats_stages=4, fill_rows=1024),
+                         overlap=True, stats_stages=4, fill_rows=1024, row_ref=False),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
 # Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
@@ -81,7 +81,7 @@ INTERPRETER = {
     "logits_tiles": dict(BM=16, BN=32, BK=16, num_warps=1, num_stages=1, flatten=False,
                          split=2, finish_tiles=2, finish_warps=1, finish_block_h=16, programs=3,
                          use=False, min_rows=0, db_rows=3, db_tiles=2, db_warps=1,
-                         overlap=False, stats_stages=1, fill_rows=4),
+                         overlap=False, stats_stages=1, fill_rows=4, row_ref=False),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

@@ -55,7 +55,9 @@ from fused_ce.kernels import config
 from fused_ce.kernels.logits import cap_derivative, tanh
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothing,
-                                       store_ignored_stats, store_row_stats)
+                                       store_ignored_stats, store_merged_stats,
+                                       store_row_stats)
+from fused_ce.kernels.row_ref import scale_row, scaled_row, target_logit, tile_refs
 
 
 # (the chunk's row counts and offsets are not specialized on: one compiled kernel serves every
@@ -64,13 +66,13 @@ from fused_ce.kernels.row_loss import (grad_coefs, merged_lse, row_max, smoothin
 # is refused by some CUDA setups. The row counts only bound loops and per-row masks here.)
 @triton.jit(do_not_specialize=["c0", "M", "n_progs", "min_count"])
 def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0, M, V, H, m_ptr,
-                        s_ptr, a_ptr, ws_ptr, n_tiles_v, n_progs, softcap, min_count,
+                        s_ptr, a_ptr, ws_ptr, ref_ptr, n_tiles_v, n_progs, softcap, min_count,
                         E_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_CW: tl.constexpr, WITH_WS: tl.constexpr, UPCAST: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
                         LOG_PROBS: tl.constexpr = False, STATS_ONLY: tl.constexpr = False,
-                        HAS_SOFTCAP: tl.constexpr = False):
+                        HAS_SOFTCAP: tl.constexpr = False, ROW_REF: tl.constexpr = False):
     """E and the per-(row, tile) statistics of the M chunk rows (compacted positions c0 + r)
     over the V columns (module doc). A vocabulary tile (of the statistics and of E) is
     BN // SPLIT columns; the statistics of tile t at [r * n_tiles_v + t]. ``n_progs`` programs
@@ -78,7 +80,8 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
     order, no targets) E holds U = z - m_t instead and only m_t and s_t are stored. With
     STATS_ONLY (the forward pass without gradients, stats_pass.py) only the statistics are
     stored, no E (``e_desc`` may be None), of the logits softcapped where HAS_SOFTCAP (E holds
-    no z to differentiate the cap by). Otherwise
+    no z to differentiate the cap by). With ROW_REF, E and s_t are taken against the row's
+    reference ``ref_ptr[c0 + r]`` (row_ref.py) where the tile's max is not far above it. Otherwise
     the rows past the valid count (``count_ptr``, on the device; the chunk's first row is the
     compacted position c0) are not computed: a chunk launched before the host has read the
     count covers the first rows of the stable partition, the valid ones first. None is where
@@ -96,6 +99,10 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
         off_m = pid_m * BM
         off_n = pid_n * BN
         rows = off_m + tl.arange(0, BM)
+        if ROW_REF:
+            ref = tl.load(ref_ptr + c0 + rows, mask=rows < M, other=0.0)
+        else:
+            ref = tl.zeros((BM,), tl.float32)  # (not used)
         acc = tl.zeros((BM, BN), tl.float32)
         for k in range(0, H, BK):  # (the descriptors read zeros past H, V and M)
             a = x_desc.load([off_m, k])
@@ -109,29 +116,32 @@ def logits_tiles_kernel(x_desc, w_desc, e_desc, bias_ptr, cw_ptr, count_ptr, c0,
         # it spill to local memory.
         if SPLIT == 1:
             _tile_epilogue(acc, rows, off_m, off_n, pid_n, e_desc, bias_ptr, cw_ptr, M, V, m_ptr,
-                           s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW, WITH_WS,
-                           LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, softcap, BN)
+                           s_ptr, a_ptr, ws_ptr, ref, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW,
+                           WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, ROW_REF, softcap, BN)
         else:
             z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             _tile_epilogue(z0, rows, off_m, off_n, 2 * pid_n, e_desc, bias_ptr, cw_ptr, M, V,
-                           m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE, HAS_BIAS, HAS_CW,
-                           WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, softcap, BN // 2)
+                           m_ptr, s_ptr, a_ptr, ws_ptr, ref, n_tiles_v, E_DTYPE, HAS_BIAS,
+                           HAS_CW, WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP, ROW_REF, softcap,
+                           BN // 2)
             # (in the last tile, this half may lie past V: tile n_tiles_v, nothing stored)
             _tile_epilogue(z1, rows, off_m, off_n + BN // 2, 2 * pid_n + 1, e_desc, bias_ptr,
-                           cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, n_tiles_v, E_DTYPE,
+                           cw_ptr, M, V, m_ptr, s_ptr, a_ptr, ws_ptr, ref, n_tiles_v, E_DTYPE,
                            HAS_BIAS, HAS_CW, WITH_WS, LOG_PROBS, STATS_ONLY, HAS_SOFTCAP,
-                           softcap, BN // 2)
+                           ROW_REF, softcap, BN // 2)
 
 
 @triton.jit
 def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_ptr, s_ptr, a_ptr,
-                   ws_ptr, n_tiles_v, E_DTYPE: tl.constexpr,
+                   ws_ptr, ref, n_tiles_v, E_DTYPE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
                    LOG_PROBS: tl.constexpr, STATS_ONLY: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, softcap, BS: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, ROW_REF: tl.constexpr, softcap, BS: tl.constexpr):
     """Vocabulary tile t (columns off_n + [0, BS)) of the rows: E (with LOG_PROBS: U) and the
     statistics from the fp32 logits z (without the bias). In place on z, and each (BM, BS)
-    temporary ends before the next begins (registers)."""
+    temporary ends before the next begins (registers). With ROW_REF, E = exp(z - r) and s_t =
+    sum exp(z - r) for the rows' references ``ref`` (r = row_ref.tile_refs(m_t, ref)), else
+    r = m_t."""
     cols = off_n + tl.arange(0, BS)
     in_v = cols < V
     in_m = rows < tl.where(t < n_tiles_v, M, 0)  # no row of a tile past V
@@ -156,9 +166,13 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
         mt, arg = tl.reduce((z, tl.broadcast_to(cols[None, :], z.shape)), 1, _max_first)
         tl.store(a_ptr + stat, arg, mask=in_m)
     tl.store(m_ptr + stat, mt, mask=in_m)
-    # z - m_t; exp(-inf - m) = 0 past V; a row of -inf logits takes m = 0 here (not -inf - -inf
+    # z - r; exp(-inf - r) = 0 past V; a row of -inf logits takes r = 0 here (not -inf - -inf
     # = NaN)
-    u = z - tl.where(mt == float("-inf"), 0.0, mt)[:, None]
+    if ROW_REF:
+        r = tile_refs(mt, ref)
+    else:
+        r = tl.where(mt == float("-inf"), 0.0, mt)
+    u = z - r[:, None]
     if LOG_PROBS:
         # U stored rounded: |U| = m_t - z <= lse - z = |log p|, so U's rounding error is at
         # most one rounding of the log-probability itself (rounding z would cost |z| / |log p|
@@ -170,10 +184,10 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
         tl.store(s_ptr + stat, tl.sum(e, 1), mask=in_m)
         if not STATS_ONLY:
             if HAS_SOFTCAP:
-                # E f_j (module doc) from z_j = u + m_t, which the cap keeps in [-c, c]; past V
+                # E f_j (module doc) from z_j = u + r, which the cap keeps in [-c, c]; past V
                 # (u = -inf) the clamp gives q = -1, so E = 0 there. (A tl.where on the columns
                 # instead, or e * (1 - q^2), spills on sm_90: tools/sm90_registers.py)
-                q = tl.maximum(u + mt[:, None], -softcap) / softcap
+                q = tl.maximum(u + r[:, None], -softcap) / softcap
                 e = e - e * q * q
             e_desc.store([off_m, off_n], e.to(E_DTYPE))
 
@@ -200,19 +214,25 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
                         ldw, bias_ptr, H, cw_ptr, target_ptr, row_idx_ptr, count_ptr, c0,
                         c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
                         ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, V, VPAD, softcap, n_chunk,
-                        n_rows, ignore_index,
+                        n_rows, ignore_index, ref_ptr, rs_ptr, dt_ptr, key_ptr, xs_ptr,
                         HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr, WITH_WS: tl.constexpr,
                         WITH_LOSS: tl.constexpr, NEED_D: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_H: tl.constexpr, TILES: tl.constexpr, BN: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr = False, FILL: tl.constexpr = 0):
+                        HAS_SOFTCAP: tl.constexpr = False, FILL: tl.constexpr = 0,
+                        ROW_REF: tl.constexpr = False):
     """One program per chunk row r < ``n_chunk`` (x's row ``x_ptr + r ldx``): the row's
-    statistics and (with WITH_LOSS) loss from its tiles and its target logit (_target_logit),
+    statistics and (with WITH_LOSS) loss from its tiles and its target logit (target_logit),
     then (with NEED_D) D over E in columns [0, VPAD) (0 past V), TILES vocabulary tiles of BN
     columns per step. Rows past the valid count (``count_ptr``, on the device) write nothing,
     as in the GEMM, but (with NEED_D) a zero row of D: where the chunks were sized without the
     count (CUDA-graph capture), the products over the chunk's rows then add nothing for them.
     With FILL, programs r >= n_chunk write the ignored rows' statistics (0, argmax
-    ``ignore_index``; row_loss.store_ignored_stats), FILL of them each."""
+    ``ignore_index``; row_loss.store_ignored_stats), FILL of them each. With ROW_REF (E against
+    the references ``ref_ptr[c0 + r]``, row_ref.py; no label smoothing) the target logit comes
+    from there, and D's row is written only where the row cannot keep its reference; the row's
+    scale goes to ``rs_ptr[r]``, its target term to ``dt_ptr[r]``, its target (or -1) to
+    ``key_ptr[r]`` and x's row times the scale to ``xs_ptr + r H`` (row_ref.scale_row; 0 and -1
+    for rows past the count)."""
     r = tl.program_id(0).to(tl.int64)
     if FILL > 0:
         if r >= n_chunk:
@@ -229,6 +249,11 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
                 cols = v0 + ti[:, None] * BN + cj[None, :]
                 tl.store(e_row + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
                          mask=cols < VPAD)
+            if ROW_REF:
+                tl.store(rs_ptr + r, 0.0)
+                tl.store(dt_ptr + r, 0.0)
+                tl.store(key_ptr + r, -1)
+                scaled_row(x_ptr + r * ldx, xs_ptr + r * H, 0.0, H, BLOCK_H)
         return
     row = tl.load(row_idx_ptr + c0 + r)
     tgt = tl.load(target_ptr + row)
@@ -243,46 +268,38 @@ def finish_tiles_kernel(e_ptr, lde, m_ptr, s_ptr, a_ptr, ws_in_ptr, n_tiles_v, x
     else:
         ws = tl.zeros((BLOCK_T,), tl.float32)
     mx, am = row_max(m, arg)
-    zt = _target_logit(x_ptr + r * ldx, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
-                       HAS_BIAS, HAS_SOFTCAP, BLOCK_H)
-    lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
-                          c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
-                          loss_ptr, WITH_WS, WITH_LOSS)
+    if ROW_REF:
+        ref = tl.load(ref_ptr + c0 + r)  # (target_logit's dot product: 0 without a target)
+        zt = tl.where(am == tgt, mx, ref)
+        # lse = M + log sum_t s_t exp(r_t - M) over the tiles' references r_t; log S against
+        # the row's max as (M - mx) + log(...), not lse - mx (an ulp of lse)
+        big, log_big = merged_lse(tl.where(in_t, tile_refs(m, ref), float("-inf")), s)
+        lse = store_merged_stats(mx, am, (big - mx) + log_big, ws, row, tgt, zt, V, c_tgt_ptr,
+                                 c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr,
+                                 ws_ptr, max_ptr, am_ptr, nll_ptr, loss_ptr, WITH_WS, WITH_LOSS)
+    else:
+        ref = 0.0  # (not used)
+        zt = target_logit(x_ptr + r * ldx, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
+                          HAS_BIAS, HAS_SOFTCAP, BLOCK_H)
+        lse = store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr,
+                              c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr,
+                              nll_ptr, loss_ptr, WITH_WS, WITH_LOSS)
     if NEED_D:
         alpha, c_tgt, c_smooth = grad_coefs(row, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                             c_lse_sq_ptr)
         d_t = _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP)
-        for v0 in range(0, VPAD, TILES * BN):
-            tiles = v0 // BN + ti
-            cols = v0 + ti[:, None] * BN + cj[None, :]
-            _store_d_block(e_row, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse, alpha,
-                           d_t, tgt, smoothing(cols, cols < V, c_smooth, cw_ptr, HAS_CW), V,
-                           VPAD)
-
-
-@triton.jit
-def _target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
-                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The row's target logit z_t = x . W_t (+ b_t), softcapped where HAS_SOFTCAP, an fp32 dot
-    product (0 when the target is not a column here: ignored, or another shard's). Where the
-    target is the row's argmax, z_t is its max ``mx`` instead: the GEMM's own value of that
-    logit, so that nll = (mx - z_t) + log s stays exact for confident targets (a z_t summed in
-    another order can differ from mx by an ulp of |z|, as large as such an nll). The epilogue
-    no longer looks for the target in every tile (a compare, a select and a row sum per
-    logit)."""
-    has_t = (tgt >= 0) & (tgt < V)
-    w_row = w_ptr + tl.where(has_t, tgt, 0) * ldw
-    acc = tl.zeros((BLOCK_H,), tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        k = h0 + tl.arange(0, BLOCK_H)
-        acc += (tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-                * tl.load(w_row + k, mask=k < H, other=0.0).to(tl.float32))
-    z = tl.sum(acc, 0)
-    if HAS_BIAS:
-        z += tl.load(bias_ptr + tl.where(has_t, tgt, 0)).to(tl.float32)
-    if HAS_SOFTCAP:
-        z = softcap * tanh(z / softcap)
-    return tl.where(has_t, tl.where(am == tgt, mx, z), 0.0)
+        whole_d = True
+        if ROW_REF:
+            whole_d = not scale_row(e_row, x_ptr + r * ldx, xs_ptr + r * H, rs_ptr + r,
+                                    dt_ptr + r, key_ptr + r, ref, lse, alpha, d_t, tgt, V,
+                                    VPAD, H, BLOCK_H)
+        if whole_d:
+            for v0 in range(0, VPAD, TILES * BN):
+                tiles = v0 // BN + ti
+                cols = v0 + ti[:, None] * BN + cj[None, :]
+                _store_d_block(e_row, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse,
+                               alpha, d_t, tgt, smoothing(cols, cols < V, c_smooth, cw_ptr,
+                                                          HAS_CW), V, VPAD, ref, ROW_REF)
 
 
 @triton.jit
@@ -296,12 +313,17 @@ def _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, smooth, V, VPAD):
+def _store_d_block(e_row, cols, tiles, m_row, n_tiles_v, lse, alpha, d_t, tgt, smooth, V, VPAD,
+                   ref, ROW_REF: tl.constexpr):
     """One row's D over its E on the (tiles, BN) block ``cols``, in place, and returned as
-    stored: alpha p_j - smooth_j, where p = E exp(m_t - lse) (one exp per tile, not per logit),
-    the target's entry d_t (taken from the fp32 z_t, not from the rounded E), 0 past V. (With a
-    softcap E holds E f: the product is then p_j f_j, and ``smooth`` is 0.)"""
-    f = alpha * tl.exp(tl.load(m_row + tiles, mask=tiles < n_tiles_v, other=0.0) - lse)
+    stored: alpha p_j - smooth_j, where p = E exp(r_t - lse) (one exp per tile, not per logit;
+    r_t the tile's max m_t, or with ROW_REF row_ref.tile_refs(m_t, ref)), the target's entry
+    d_t (taken from the fp32 z_t, not from the rounded E), 0 past V. (With a softcap E holds
+    E f: the product is then p_j f_j, and ``smooth`` is 0.)"""
+    r_t = tl.load(m_row + tiles, mask=tiles < n_tiles_v, other=0.0)
+    if ROW_REF:
+        r_t = tile_refs(r_t, ref)
+    f = alpha * tl.exp(r_t - lse)
     e = tl.load(e_row + cols, mask=cols < VPAD, other=0.0).to(tl.float32)
     dz = tl.where(cols == tgt, d_t, e * f[:, None]) - smooth
     d = tl.where(cols < V, dz, 0.0).to(e_row.dtype.element_ty)
@@ -338,7 +360,7 @@ def d_tiles_kernel(e_ptr, lde, m_ptr, zt_ptr, n_tiles_v, cw_ptr, target_ptr, row
         zt = tl.load(zt_ptr + row)  # (0 where the target is not a column here)
         d_t = _target_d(zt, lse, alpha, c_tgt, softcap, HAS_SOFTCAP)
         d = _store_d_block(e_ptr + r * lde, cols, tiles, m_ptr + r * n_tiles_v, n_tiles_v, lse,
-                           alpha, d_t, tgt, c_smooth * w_smooth, V, VPAD)
+                           alpha, d_t, tgt, c_smooth * w_smooth, V, VPAD, 0.0, False)
         acc += d.to(tl.float32)
     for k in range(n_live, n_here):
         tl.store(e_ptr + (r0 + k) * lde + cols, tl.zeros((TILES, BN), e_ptr.dtype.element_ty),
@@ -406,12 +428,14 @@ def tile_width(cfg: dict) -> int:
 
 
 def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count, c0: int, V: int,
-           m, s, a, ws, n_tiles: int, softcap: float = 1.0, min_count: int = 0, **flags) -> None:
+           m, s, a, ws, n_tiles: int, softcap: float = 1.0, min_count: int = 0, ref=None,
+           **flags) -> None:
     """logits_tiles_kernel over the chunk rows ``xc`` (persistent: one program per
     multiprocessor) with E (U with LOG_PROBS) into e[:len(xc)], or only the statistics where
-    ``e`` is None; nothing where the valid count is below ``min_count``; ``flags``: HAS_BIAS,
-    HAS_CW, WITH_WS, LOG_PROBS and HAS_SOFTCAP (E then holds E f: module doc), the rest from
-    the tile configuration ``cfg``."""
+    ``e`` is None; nothing where the valid count is below ``min_count``; E against the rows'
+    references ``ref[c0:]`` where given (row_ref.py); ``flags``: HAS_BIAS, HAS_CW, WITH_WS,
+    LOG_PROBS and HAS_SOFTCAP (E then holds E f: module doc), the rest from the tile
+    configuration ``cfg``."""
     cc, h = xc.shape
     x_desc = TensorDescriptor.from_tensor(xc, [cfg["BM"], cfg["BK"]])
     e_desc = (None if e is None
@@ -419,8 +443,8 @@ def launch(cfg: dict, xc: torch.Tensor, w_desc, e: torch.Tensor, bias, cw, count
     tiles = triton.cdiv(cc, cfg["BM"]) * triton.cdiv(V, cfg["BN"])
     progs = min(tiles, cfg["programs"] if config.interpreting() else config.sm_count(xc.device))
     logits_tiles_kernel[(progs,)](
-        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws, n_tiles, progs,
-        softcap, min_count,
+        x_desc, w_desc, e_desc, bias, cw, count, c0, cc, V, h, m, s, a, ws,
+        m if ref is None else ref, n_tiles, progs, softcap, min_count, ROW_REF=ref is not None,
         E_DTYPE=tl.bfloat16 if e is not None and e.dtype == torch.bfloat16 else tl.float32,
         STATS_ONLY=e is None,
         UPCAST=config.interpreting(), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
@@ -443,23 +467,27 @@ class TileStats:
         self.w_desc = TensorDescriptor.from_tensor(p.weight, [cfg["BN"], cfg["BK"]])
 
     def logits(self, p: Problem, xc: torch.Tensor, e: torch.Tensor, c0: int, bias,
-               with_ws: bool, min_count: int = 0) -> None:
+               with_ws: bool, min_count: int = 0, refs=None) -> None:
         """E over e[:len(xc), :V] (none where ``e`` is None) and the tile statistics of the
-        chunk's rows (nothing where fewer than ``min_count`` rows are valid)."""
+        chunk's rows (nothing where fewer than ``min_count`` rows are valid); against the rows'
+        references where ``refs`` (a row_ref.RowRefs) is given."""
         launch(self.cfg, xc, self.w_desc, e, bias, p.cw_arg, p.n_valid, c0, p.V, self.m, self.s,
                self.a, self.ws, self.n_tiles, p.softcap_arg, min_count,
+               ref=None if refs is None else refs.ref,
                HAS_BIAS=p.bias is not None,
                HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
                HAS_SOFTCAP=p.softcap is not None)
 
     def finish(self, p: Problem, xc: torch.Tensor, e, c0: int, bias, cf, out, with_ws: bool,
-               need_d: bool, db_parts=None, fill_ignored: bool = False) -> int:
+               need_d: bool, db_parts=None, fill_ignored: bool = False, refs=None) -> int:
         """The statistics and loss of the chunk's rows ``xc`` (``bias`` as given to ``logits``),
         and D over E. With ``db_parts`` (fp32, ``db_part_rows(cc)`` x E's width) D comes from
         d_tiles_kernel, which also writes db's partial sums there; returns how many rows of
         them. Without coefficients (``cf`` None) the statistics alone, no loss; without E
         (``e`` None: stats_pass.py) no D. ``fill_ignored``: the same launch also writes the
-        ignored rows' statistics (0, argmax ignore_index), which ``out`` then need not hold."""
+        ignored rows' statistics (0, argmax ignore_index), which ``out`` then need not hold.
+        ``refs``: the row_ref.RowRefs that ``logits`` took (then D is E scaled per row, where
+        the row allows: refs.s and refs.xs written for the products)."""
         cfg = self.cfg
         cc = xc.shape[0]
         stats_only = cf is None
@@ -474,7 +502,9 @@ class TileStats:
             # (without the loss the coefficients are not read: the lse stands in for them)
             c0, *([out.lse] * 4 if stats_only else cf), out.lse, out.zt, out.ws, out.mx, out.am,
             out.nll, out.loss, p.V, vpad, p.softcap_arg, cc, p.N, p.ignore_index,
-            HAS_SOFTCAP=p.softcap is not None,
+            *((self.m, self.m, self.m, self.a, self.m) if refs is None
+              else (refs.ref, refs.s, refs.dt, refs.key, refs.xs)),
+            ROW_REF=refs is not None, HAS_SOFTCAP=p.softcap is not None,
             HAS_BIAS=p.bias is not None, HAS_CW=p.class_weight is not None, WITH_WS=with_ws,
             WITH_LOSS=not stats_only, NEED_D=need_d and db_parts is None,
             BLOCK_T=triton.next_power_of_2(self.n_tiles), BLOCK_H=cfg["finish_block_h"],

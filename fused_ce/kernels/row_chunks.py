@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_ce.kernels import config, logits_tiles
+from fused_ce.kernels import config, logits_tiles, row_ref
 from fused_ce.kernels.logits import cap_derivative, tanh
 from fused_ce.kernels.problem import Problem
 from fused_ce.kernels.row_loss import (grad_coefs, smoothing, store_ignored_stats,
@@ -383,12 +383,12 @@ class _FirstTileChunk:
     then rules the path out (fewer valid rows than ``logits_tiles.min_valid_rows``), the kernel
     has computed nothing (before, with min_rows 4096, 0.3 ms of GEMM at MLM, NOTES.md #74)."""
 
-    def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias):
+    def __init__(self, p: Problem, c: int, with_ws: bool, need_db: bool, bias, refs):
         rows = min(c, p.N)
         self.d, self.ts, self.db_parts = _tile_workspace(p, rows, with_ws, need_db)
         self.x = p.x.index_select(0, p.row_idx[:rows])  # (its first n_valid: x's valid rows)
         self.ts.logits(p, self.x, self.d, 0, bias, with_ws,
-                       min_count=logits_tiles.min_valid_rows(p))
+                       min_count=logits_tiles.min_valid_rows(p), refs=refs)
 
 
 def _tile_workspace(p: Problem, rows: int, with_ws: bool, need_db: bool):
@@ -433,13 +433,13 @@ class _GemmAhead:
     program per SM, so the D pass runs beside it only where its program fits in what the GEMM
     leaves of an SM's registers (its ``db_warps``; tools/probe_overlap.py)."""
 
-    def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, n_chunks: int):
+    def __init__(self, p: Problem, workspace, rows: int, with_ws: bool, n_chunks: int, refs):
         # (with two chunks the second buffer would take back the memory that cutting the rows
         # in two saved: config.OVERLAP_MIN_CHUNKS)
         self.on = n_chunks >= config.OVERLAP_MIN_CHUNKS and p.cfg["logits_tiles"]["overlap"]
         if not self.on:
             return
-        self.p, self.with_ws = p, with_ws
+        self.p, self.with_ws, self.refs = p, with_ws, refs
         self.bufs = [workspace, _tile_workspace(p, rows, with_ws, False)[:2]]
         if p.device.type == "cuda":
             self.main = torch.cuda.current_stream(p.device)
@@ -463,7 +463,8 @@ class _GemmAhead:
             with self.on_side():
                 if self.freed[(i + 1) % 2] is not None:
                     self.side.wait_event(self.freed[(i + 1) % 2])
-                ts.logits(self.p, xv[nxt:min(nxt + c, nv)], d, nxt, bias, self.with_ws)
+                ts.logits(self.p, xv[nxt:min(nxt + c, nv)], d, nxt, bias, self.with_ws,
+                          refs=self.refs)
                 ready = self.side.record_event()
         if self.ready is not None:
             self.main.wait_event(self.ready)
@@ -477,13 +478,15 @@ class _GemmAhead:
 
 
 def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, need_d, lse_in,
-                  bp, out: _Outputs, tiles: bool, first):
+                  bp, out: _Outputs, tiles: bool, first, refs):
     """The chunk loop of forward_with_grads (its workspaces, the padded weight among them, are
     freed on return) over the compacted positions [0, nv), with the epilogue logits where
     ``tiles``; ``all_valid``: the count was read and every row is valid (the compacted
     positions are then x's rows); ``first``: a _FirstTileChunk whose logits GEMM is the first
     chunk's, or None. Otherwise nothing is launched before the first chunk's logits GEMM but
-    the gather of x's valid rows: the GPU waits for it since the host read."""
+    the gather of x's valid rows: the GPU waits for it since the host read. ``refs``: a
+    row_ref.RowRefs (the epilogue path only: E against one reference per row, D = s E' per
+    row, dX = s (E' W), dW = E'^T (s x)), or None."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
@@ -496,6 +499,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
         xv = first.x[:nv]
     else:
         xv = p.x.index_select(0, rows)
+    if refs is not None:
+        refs.chunk_buffers(min(c, nv))
     if first is not None:
         d, ts, db_parts = first.d, first.ts, first.db_parts
     elif tiles:
@@ -503,7 +508,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
     if tiles:
         # (also while a graph is captured: the side stream forks from the capturing one and
         # joins it again at each chunk's wait)
-        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c))
+        ahead = _GemmAhead(p, (d, ts), min(c, nv), with_ws, triton.cdiv(nv, c), refs)
     else:
         db_parts = None
         # db's product's row of ones (the epilogue path sums db_parts instead)
@@ -530,7 +535,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
         else:
             # (the first chunk's GEMM may be _FirstTileChunk's; the others may come ahead)
             if (c0 == 0 and first is None) or (c0 > 0 and not ahead.on):
-                ts.logits(p, xc, d, c0, bp, with_ws)
+                ts.logits(p, xc, d, c0, bp, with_ws, refs=refs)
             if ahead.on:
                 d, ts = ahead.chunk(c0, xv, c, nv, bp)
         if c0 == 0:  # launched behind the first GEMM
@@ -543,7 +548,7 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
                 parts = [(0, w.shape[0])]
         if tiles:
             n_parts = ts.finish(p, xc, d, c0, bp, cf, out, with_ws, need_d, db_parts,
-                                fill_ignored=c0 == 0 and not all_valid)
+                                fill_ignored=c0 == 0 and not all_valid, refs=refs)
         else:
             # with db's product, D's rows [cc, db_rows(cc)) are zeroed by the same launch, and
             # the first chunk's launch writes the ignored rows' statistics (FILL set either
@@ -567,10 +572,15 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
             dst = out.dx32[c0:c0 + cc] if dx_c is None else dx_c[:cc]
             for i, (a, b) in enumerate(parts):
                 gemm_f32(dc[:, a:b], w[a:b], dst, alpha=inv_scale, accumulate=i > 0)
+            if refs is not None:  # D = diag(s) E + the target terms
+                refs.dx_rows(dst, w)
             if dx_c is not None:
                 out.dx32.index_copy_(0, rows[c0:c0 + cc], dst)
+        x_dw = xc if refs is None else refs.xs[:cc]  # (D^T x = E^T (s x) + the target terms)
         for a, b in parts if out.dw32 is not None else ():
-            gemm_f32(dc[:, a:b].t(), xc, out.dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
+            gemm_f32(dc[:, a:b].t(), x_dw, out.dw32[a:b], alpha=inv_scale, accumulate=c0 > 0)
+        if refs is not None and out.dw32 is not None:
+            refs.dw_targets(out.dw32, xc)
         if db_parts is not None:  # (D unscaled: bf16, or fp32 under the interpreter)
             if c0 == 0:
                 torch.sum(db_parts[:n_parts], 0, out=out.db32[0])
@@ -624,10 +634,13 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     # rules the path out (fewer than a configured min_rows valid; the default is 0), that
     # launch computed nothing. Not where the count is on the host already
     # (fused_ce.prepare_targets, made early).
-    first = None
+    first = refs = None
+    if (logits_tiles.applicable(p, lse_in, n, with_ws)
+            and row_ref.applicable(p, with_ws, need_dx, need_dw, need_db)):
+        refs = row_ref.RowRefs(p)  # (launched before any logits GEMM)
     if read is not None and logits_tiles.applicable(p, lse_in, n, with_ws) and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
-        first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg)
+        first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg, refs)
     # nv: the compacted positions the chunks cover (all N where the count stays on the device)
     d_scale, nv = (read(), p.n_valid_host) if read is not None else (1.0, n)
     all_valid = read is not None and nv == n  # then the compacted positions are x's rows
@@ -653,7 +666,8 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
         out.dx_rows = None if all_valid else p.row_idx
     if nv > 0:
         _sweep_chunks(p, cf, scale, d_scale, nv, all_valid, c, with_ws,
-                      need_dx or need_dw or need_db, lse_in is not None, bp, out, tiles, first)
+                      need_dx or need_dw or need_db, lse_in is not None, bp, out, tiles, first,
+                      refs if tiles else None)
         if read is None and scale is not None:
             # fp16 without the host read: the products kept D's scale (their alpha is a host
             # number); a power of two, divided out exactly on the device

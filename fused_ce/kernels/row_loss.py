@@ -56,7 +56,17 @@ def store_row_stats(m, s, arg, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_p
     and (WITH_LOSS: from the coefficients) loss (``zt``: its target's finished logit, 0 when
     the target is not a column here); returns its lse."""
     mx, am = row_max(m, arg)
-    log_s = merged_lse(m, s)[1]
+    return store_merged_stats(mx, am, merged_lse(m, s)[1], ws, row, tgt, zt, V, c_tgt_ptr,
+                              c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr,
+                              max_ptr, am_ptr, nll_ptr, loss_ptr, WITH_WS, WITH_LOSS)
+
+
+@triton.jit
+def store_merged_stats(mx, am, log_s, ws, row, tgt, zt, V, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
+                       c_lse_sq_ptr, lse_ptr, zt_ptr, ws_ptr, max_ptr, am_ptr, nll_ptr,
+                       loss_ptr, WITH_WS: tl.constexpr, WITH_LOSS: tl.constexpr):
+    """store_row_stats from the merged row: its max ``mx``, argmax ``am`` and log S, where
+    lse = mx + log S; ``ws``: the lanes' (or tiles') weighted sums. Returns the lse."""
     lse = mx + log_s
     has_t = (tgt >= 0) & (tgt < V)  # else the target is a column of another shard
     nll = _nll(mx, log_s, lse, zt, has_t)
