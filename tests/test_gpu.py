@@ -183,6 +183,71 @@ def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):
     assert (ours.dx[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("h,softcap,multi,rows", [
+    (1024, None, False, "random"), (2304, None, True, "confident"),
+    (2304, 30.0, False, "confident"), (1024, None, True, "far")])
+def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
+    """The epilogue path with one reference logit per row (row_ref.py: E against the target
+    logit, dX = s (E W) + D_t W_t, dW = E^T bf16(s x) + the target terms), bf16, a bias given
+    but not differentiated, BERT-class and wide tile configurations, one chunk or several.
+    "confident": a third of the rows with p_t ~ 0.999 and a third ~ 0.2 (a trained model's
+    rows, where D's target entry alpha (p_t - 1) is small and must not come from a difference
+    of rounded numbers); "far": every third row's logits 30 times larger (tiles and rows past
+    the 40-nat span take their own max and the whole D row). Loss and gradients against fp64
+    as the default path's (max(GRAD_TOL, 1.25 x eager bf16)); the lse and nll within 1e-6 and
+    2e-6 or 1.25 times the D pass's error on the same inputs (on confident rows the bf16
+    GEMM's fp32 accumulation of z_t, of size |x| |W_t|, sets it for both); two runs
+    identical."""
+    from fused_ce.kernels import row_ref
+
+    def row_refs(on):
+        for key in ("gpu", "gpu_wide"):
+            monkeypatch.setitem(config.CONFIG[key], "logits_tiles",
+                                {**config.CONFIG[key]["logits_tiles"], "row_ref": on})
+
+    made = []
+    real = row_ref.RowRefs.__init__
+    monkeypatch.setattr(row_ref.RowRefs, "__init__",
+                        lambda self, *a: real(self, *a) or made.append(self))
+    if multi:  # 3000 rows in 4 chunks at H 1024 (E: 20 KiB a row), 2 at H 2304
+        monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)
+    n, v = 3000, 10007
+    x, w, b, t = _inputs(n, h, v, torch.bfloat16)
+    if rows == "confident":
+        tt = t.clamp_min(0)
+        x = (x.float() * 0.5 + torch.where(torch.arange(n, device="cuda")[:, None] % 3 == 0,
+                                           16.0, 8.0) * w[tt].float()).to(torch.bfloat16)
+    elif rows == "far":
+        x[::3] *= 30
+    coefs = _mean_coefs(t, n)
+    kw = dict(with_weighted_sum=False, coefs=coefs, need_dx=True, need_dw=True, need_db=False)
+    row_refs(False)
+    d_pass = kernels.forward(x, w, b, t, -100, softcap, None, **kw)
+    row_refs(True)
+    runs = [kernels.forward(x, w, b, t, -100, softcap, None, **kw) for _ in range(2)]
+    _assert_identical(*runs)  # (the target terms' sums in a fixed order: deterministic)
+    ours = runs[0]
+    ref = _oracle(x, w, b, t, coefs, softcap=softcap)
+    assert len(made) == 2
+    s = made[0].s
+    if not multi:
+        kept = (s[:int((t != -100).sum())] != 1)
+        assert kept.any() and (rows != "far" or not kept.all())
+    loss = (coefs.target.double() * ours.nll).sum()
+    loss_ref = (coefs.target.double() * ref.nll).sum()
+    assert abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()) <= LOSS_TOL
+    for name, tol in (("lse", 1e-6), ("nll", 2e-6)):
+        err, err_d = (_rel(getattr(o, name), getattr(ref, name)) for o in (ours, d_pass))
+        assert err <= max(tol, 1.25 * err_d), (name, err, err_d)
+    eager = _eager_grad_errors(x, w, b, t, softcap, ref)
+    for name in ("dx", "dw"):
+        got, exp = getattr(ours, name), getattr(ref, name)
+        assert torch.isfinite(got).all()
+        assert _rel(got, exp) <= max(GRAD_TOL, 1.25 * eager[name]), (name, _rel(got, exp),
+                                                                      eager[name])
+    assert ours.db is None and (ours.dx[t == -100] == 0).all()
+
+
 def test_gemm_ahead_on_a_second_stream_identical(monkeypatch):
     """The epilogue path with the next chunk's logits GEMM on a second stream
     (row_chunks._GemmAhead: two buffers, events between the streams) gives bitwise the results
@@ -344,11 +409,12 @@ def test_cuda_graph_capture(sweep_only, grads):
     _assert_identical(out, eager)
 
 
-@pytest.mark.parametrize("dtype,epilogue,ignored,reduction", [
-    (torch.bfloat16, True, 0.0, "mean"), (torch.bfloat16, True, 0.85, "mean"),
-    (torch.bfloat16, False, 0.85, "mean"), (torch.bfloat16, True, 0.5, "none"),
-    (torch.float16, False, 0.85, "mean")])
-def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, monkeypatch):
+@pytest.mark.parametrize("dtype,epilogue,ignored,reduction,row_ref", [
+    (torch.bfloat16, True, 0.0, "mean", False), (torch.bfloat16, True, 0.85, "mean", False),
+    (torch.bfloat16, False, 0.85, "mean", False), (torch.bfloat16, True, 0.5, "none", False),
+    (torch.float16, False, 0.85, "mean", False), (torch.bfloat16, True, 0.5, "mean", True)])
+def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, row_ref,
+                                           monkeypatch):
     """A bf16 training step through the public API, warmed up eagerly (the path with the host
     read) and then captured into a CUDA graph, as users capture it: under capture the loss takes
     the row-chunk path with its chunks over all N positions and the count on the device
@@ -356,10 +422,14 @@ def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, 
     (new targets, so a new valid count) gives the loss and gradients of fp64 within the
     accuracy targets. Several chunks; the epilogue GEMM or cuBLAS fp32 logits; 'none' (its
     backward from the given lse, the mean taken after it); fp16 (D's scale divided out of the
-    products on the device)."""
+    products on the device); E against the rows' references (row_ref.py: a bias not
+    differentiated; its sort of the chunk's targets captured too)."""
     import fused_ce
     from fused_ce.kernels import row_chunks
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
+    for key in ("gpu", "gpu_wide"):
+        monkeypatch.setitem(config.CONFIG[key], "logits_tiles",
+                            {**config.CONFIG[key]["logits_tiles"], "row_ref": row_ref})
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)  # 3000 rows: several chunks
     reads = []
     real = row_chunks.forward_with_grads
@@ -367,11 +437,12 @@ def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, 
                         lambda p, cf, read, *a, **kw: reads.append(read) or real(p, cf, read,
                                                                                  *a, **kw))
     x, w, b, t = _inputs(3000, 1024, 10007, dtype, ignored=ignored)
-    for p in (x, w, b):
+    params = (x, w) if row_ref else (x, w, b)
+    for p in params:
         p.requires_grad_()
 
     def step():
-        for p in (x, w, b):
+        for p in params:
             p.grad = None
         out = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction)
         loss = out if reduction == "mean" else out.sum() / (t != -100).sum()
@@ -388,11 +459,12 @@ def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, 
                 p.copy_(q)
         graph.replay()
         torch.cuda.synchronize()
-        xf, wf, bf = (p.detach().double().requires_grad_() for p in (x, w, b))
+        xf, wf, bf = (p.detach().double().requires_grad_(p is not b or not row_ref)
+                      for p in (x, w, b))
         ref = F.cross_entropy(F.linear(xf, wf, bf), t)
         ref.backward()
         assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
-        for p, q in ((x, xf), (w, wf), (b, bf)):
+        for p, q in zip(params, (xf, wf, bf)):
             assert _rel(p.grad, q.grad) <= GRAD_TOL
         assert (x.grad[t == -100] == 0).all()
 

@@ -49,6 +49,10 @@ GPU = {
     # (16384 rows), 3 -> 4 stages in four rounds over two sessions: 2.29 -> 2.21, 2.41 ->
     # 2.25, 2.47 -> 2.26, 2.44 -> 2.40 ms; Llama-3's head 1.7-3 % slower every round (25.0 ->
     # 25.6 ... 25.6 -> 26.1 ms), so wide heads keep 3 (NOTES.md #65)
+    # row_ref: E against one reference logit per row where it applies (row_ref.py: no db, no
+    # label smoothing), so that the D pass runs only for rows that cannot keep it. H100, same
+    # call, two rounds (NOTES.md #95): Gemma-2's head 46.91 / 46.70 -> 44.83 / 44.67 ms,
+    # Llama-3's 93.3 / 80.42 -> 91.0 / 80.45; off until measured on the H200 with its tests
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=0, db_rows=64, db_tiles=16, db_warps=8,
