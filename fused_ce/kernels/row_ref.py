@@ -46,13 +46,21 @@ SPAN = tl.constexpr(40.0)
 # |s_r| below this (a class weight 0, a vanishing coefficient) takes the whole D row instead:
 # s_r x_r rounded to bf16 must stay a normal number
 S_MIN = tl.constexpr(1e-30)
+# a tile whose max lies within this of L_r takes its max as reference (see tile_refs)
+SNAP = tl.constexpr(2.0**-13)
 
 
 @triton.jit
 def tile_refs(m, ref):
     """The reference of tiles with maxima ``m`` in rows of reference ``ref`` (module doc): the
-    row's, or the tile's max where that lies more than SPAN above it."""
-    return tl.where(m > ref + SPAN, m, ref)
+    row's, or the tile's max where that lies more than SPAN above it, or within SNAP of it.
+    The latter is the target logit itself, which the GEMM and target_logit's dot product sum
+    in different orders: with L_r as reference its E entry would be exp(a few ulps), rounded
+    by the approximate exp to a relative 2^-22, and a confident row's nll = log(1 + small)
+    would carry that error (2e-7 on an nll of 1e-3); with its own max the entry is exactly 1,
+    as on the D pass. D = s_r E is then off by exp(m - L_r) - 1, at most 1.2e-4 relative, in
+    that tile (a sixteenth of a bf16 rounding)."""
+    return tl.where((m > ref + SPAN) | (tl.abs(m - ref) <= SNAP), m, ref)
 
 
 @triton.jit
