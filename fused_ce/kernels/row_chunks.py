@@ -485,8 +485,8 @@ def _sweep_chunks(p: Problem, cf, scale, d_scale, nv, all_valid, c, with_ws, nee
     positions are then x's rows); ``first``: a _FirstTileChunk whose logits GEMM is the first
     chunk's, or None. Otherwise nothing is launched before the first chunk's logits GEMM but
     the gather of x's valid rows: the GPU waits for it since the host read. ``refs``: a
-    row_ref.RowRefs (the epilogue path only: E against one reference per row, D = s E' per
-    row, dX = s (E' W), dW = E'^T (s x)), or None."""
+    row_ref.RowRefs (the epilogue path only: E against one reference per row, so that
+    dX = s (E W) + D_t W_t and dW = E^T (s x) + the target terms), or None."""
     n, v, h, dev = p.N, p.V, p.H, p.device
     inv_scale = 1.0 / d_scale
     v_pad = padded_vocab(v)
