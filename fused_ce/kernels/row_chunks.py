@@ -635,10 +635,10 @@ def forward_with_grads(p: Problem, cf, read, scale, with_ws: bool, need_dx: bool
     # launch computed nothing. Not where the count is on the host already
     # (fused_ce.prepare_targets, made early).
     first = refs = None
-    if (logits_tiles.applicable(p, lse_in, n, with_ws)
-            and row_ref.applicable(p, with_ws, need_dx, need_dw, need_db)):
+    tiles_all = logits_tiles.applicable(p, lse_in, n, with_ws)
+    if tiles_all and row_ref.applicable(p, with_ws, need_dx, need_dw, need_db):
         refs = row_ref.RowRefs(p)  # (launched before any logits GEMM)
-    if read is not None and logits_tiles.applicable(p, lse_in, n, with_ws) and not read_arrived():
+    if read is not None and tiles_all and not read_arrived():
         _, c = chunking(n, logits_tiles.bytes_per_row(p, v_pad), v * h * 4, grads16)
         first = _FirstTileChunk(p, c, with_ws, need_db, p.bias_arg, refs)
     # nv: the compacted positions the chunks cover (all N where the count stays on the device)

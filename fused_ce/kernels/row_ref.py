@@ -87,7 +87,7 @@ def target_logit(x_row, w_ptr, ldw, bias_ptr, tgt, V, mx, am, H, softcap,
     return tl.where(has_t, tl.where(am == tgt, mx, z), 0.0)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def target_refs_kernel(x_ptr, ldx, w_ptr, ldw, bias_ptr, target_ptr, row_idx_ptr, count_ptr,
                        ref_ptr, V, H, softcap, HAS_BIAS: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -185,7 +185,7 @@ class RowRefs:
         cfg = p.cfg["logits_tiles"]
         self.p = p
         self.ref = torch.empty(p.N, dtype=torch.float32, device=p.device)
-        self.s = self.xs = None
+        self.s = self.dt = self.key = self.xs = None  # (chunk_buffers)
         target_refs_kernel[(p.N,)](
             p.x, p.x.stride(0), p.weight, p.weight.stride(0), p.bias_arg, p.target, p.row_idx,
             p.n_valid, self.ref, p.V, p.H, p.softcap_arg, HAS_BIAS=p.bias is not None,
