@@ -11,7 +11,9 @@ buffers, which are also reported alone), and relative errors against an fp32 ref
 bf16 inputs (loss: |a-b|/|b|; gradients: ||a-b|| / ||b||). Prints a table, writes results.json and
 PNG plots (time and memory against vocabulary size and token count) to --out. The shape
 gemma2_softcap is Gemma-2's head with its logits softcapped at 30 (SOFTCAP), as the model has
-it, for the methods that take a softcap.
+it, for the methods that take a softcap. llama3_zipf and gemma2_zipf draw their targets as
+text's (p_k ~ 1 / (k + 1)) instead of uniformly, for kernels whose work depends on how often a
+target repeats; not run unless named.
 
 Methods: fused_ce (default: the row-chunk cuBLAS path for bf16), fused_ce_sweep (the
 vocabulary sweep, which fp32 inputs take, and CUDA-graph capture took before NOTES.md #91),
@@ -64,8 +66,12 @@ SHAPES = {
     "gemma2_eval": (8192, 2304, 256000, False, 1.0, "eval"),
     # Gemma-2's head as the model has it: logits softcapped at 30 (c tanh(z / c))
     "gemma2_softcap": (8192, 2304, 256000, False, 1.0, "ce"),
+    # targets as text's instead of uniform: p_k ~ 1 / (k + 1), the commonest ~8 % of the rows
+    "llama3_zipf": (16384, 4096, 128256, False, 1.0, "ce"),
+    "gemma2_zipf": (8192, 2304, 256000, False, 1.0, "ce"),
 }
 SOFTCAP = {"gemma2_softcap": 30.0}
+ZIPF = ("llama3_zipf", "gemma2_zipf")
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "fused_ce_sweep",
               "fused_ce_lowmem", "fused_ce_sweep_triton",
@@ -89,6 +95,9 @@ def make_inputs(shape, seed=0):
     w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(torch.bfloat16)
     b = (torch.randn(v, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    if shape in ZIPF:
+        t = torch.multinomial(1.0 / torch.arange(1, v + 1, device="cuda"), n, replacement=True,
+                              generator=g)
     if frac < 1.0:
         keep = torch.rand(n, device="cuda", generator=g) < frac
         t = torch.where(keep, t, torch.full_like(t, -100))
@@ -427,7 +436,7 @@ def plots(rows, out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="results folder (JSON, PNG)")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in ZIPF))
     ap.add_argument("--methods", default=",".join(CE_METHODS))
     ap.add_argument("--rep-ms", type=float, default=400.0)
     ap.add_argument("--warmup-ms", type=float, default=100.0)

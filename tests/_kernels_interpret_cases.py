@@ -1369,8 +1369,9 @@ def test_row_ref_path(n, h, v, bias, class_weight, budget, softcap, far, monkeyp
     over 40 above the target logit take their own, and rows whose loss exceeds 40 nats the
     whole D row), a bias of +38 on one column (rows whose target logit is below about -2
     exceed the span) and the last row's coefficients are 0 (s_r = 0: the whole D row);
-    out-of-shard targets take it too, the other rows keep the scale. Which rows did is
-    read from s with one chunk (1 for a whole D row)."""
+    out-of-shard targets take it too, the other rows keep the scale. Every other row's target
+    is one class (a run of equal targets longer than dw_targets_kernel's row block). Which rows
+    did is read from s with one chunk (1 for a whole D row)."""
     from fused_ce.kernels import row_ref
 
     monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
@@ -1384,6 +1385,7 @@ def test_row_ref_path(n, h, v, bias, class_weight, budget, softcap, far, monkeyp
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, class_weight=class_weight,
                              ignored=0.25 if n > 1 else 0.0, g=g)
+    t[3::2] = torch.where(t[3::2] == IGNORE, IGNORE, 5)  # (t[1], t[2]: out of shard)
     co = GradCoefs(*(c / n for c in _coefs(n, g)))
     co = co._replace(smooth=torch.zeros(n), prob=co.target)
     if far:

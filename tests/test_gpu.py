@@ -185,7 +185,7 @@ def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):
 
 @pytest.mark.parametrize("h,softcap,multi,rows", [
     (1024, None, False, "random"), (2304, None, True, "confident"),
-    (2304, 30.0, False, "confident"), (1024, None, True, "far")])
+    (2304, 30.0, False, "confident"), (1024, None, True, "far"), (2304, None, True, "zipf")])
 def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
     """The epilogue path with one reference logit per row (row_ref.py: E against the target
     logit, dX = s (E W) + D_t W_t, dW = E^T bf16(s x) + the target terms), bf16, a bias given
@@ -193,7 +193,8 @@ def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
     "confident": a third of the rows with p_t ~ 0.999 and a third ~ 0.2 (a trained model's
     rows, where D's target entry alpha (p_t - 1) is small and must not come from a difference
     of rounded numbers); "far": every third row's logits 30 times larger (tiles and rows past
-    the 40-nat span take their own max and the whole D row). Loss and gradients against fp64
+    the 40-nat span take their own max and the whole D row); "zipf": targets as text's, drawn
+    with p_k ~ 1 / (k + 1) (the commonest a run of ~300 rows: dw_targets_kernel's loop). Loss and gradients against fp64
     as the default path's (max(GRAD_TOL, 1.25 x eager bf16)); the lse and nll within 1e-6 and
     2e-6 or 1.25 times the D pass's error on the same inputs (on confident rows the bf16
     GEMM's fp32 accumulation of z_t, of size |x| |W_t|, sets it for both); two runs
@@ -219,6 +220,9 @@ def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
                                            16.0, 8.0) * w[tt].float()).to(torch.bfloat16)
     elif rows == "far":
         x[::3] *= 30
+    elif rows == "zipf":
+        zipf = torch.multinomial(1.0 / torch.arange(1, v + 1, device="cuda"), n, replacement=True)
+        t = torch.where(t == -100, t, zipf)
     coefs = _mean_coefs(t, n)
     kw = dict(with_weighted_sum=False, coefs=coefs, need_dx=True, need_dw=True, need_db=False)
     row_refs(False)

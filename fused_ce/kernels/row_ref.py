@@ -152,11 +152,13 @@ def dx_rows_kernel(dx_ptr, ldd, s_ptr, dt_ptr, key_ptr, w_ptr, ldw, H, BLOCK_H: 
 
 @triton.jit
 def dw_targets_kernel(dw_ptr, lddw, keys_ptr, order_ptr, dt_ptr, x_ptr, ldx, n, H,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, RB: tl.constexpr):
     """dW_t += sum of D_t x_r over a chunk's rows r whose target term is t, without atomics and
     in a fixed order: ``keys_ptr`` holds the n rows' targets sorted (-1: no term), ``order_ptr``
     their rows; program (i, H block) adds the run of equal targets that starts at position i,
-    if one does (each dW row then has one writer)."""
+    if one does (each dW row then has one writer), RB rows at a time: a frequent target (text's
+    commonest tokens are several % of all) is a run of hundreds of rows, whose loads one row at
+    a time would wait on each other."""
     i = tl.program_id(0)
     k = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     key = tl.load(keys_ptr + i)
@@ -166,11 +168,16 @@ def dw_targets_kernel(dw_ptr, lddw, keys_ptr, order_ptr, dt_ptr, x_ptr, ldx, n, 
         j = i
         more = starts
         while more:
-            r = tl.load(order_ptr + j)
-            acc += tl.load(dt_ptr + r) * tl.load(x_ptr + r * ldx + k, mask=k < H,
-                                                 other=0.0).to(tl.float32)
-            j += 1
-            more = (j < n) & (tl.load(keys_ptr + tl.minimum(j, n - 1)) == key)
+            js = j + tl.arange(0, RB)
+            # (sorted: the run is contiguous, and past its end no key equals it)
+            in_run = tl.load(keys_ptr + js, mask=js < n, other=-1) == key
+            r = tl.load(order_ptr + js, mask=in_run, other=0).to(tl.int64)
+            d_t = tl.load(dt_ptr + r, mask=in_run, other=0.0)
+            xr = tl.load(x_ptr + r[:, None] * ldx + k[None, :],
+                         mask=in_run[:, None] & (k < H)[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(d_t[:, None] * xr, 0)
+            j += RB
+            more = tl.sum(in_run.to(tl.int32), 0) == RB
         dw_row = dw_ptr + key.to(tl.int64) * lddw + k
         tl.store(dw_row, tl.load(dw_row, mask=k < H) + acc, mask=k < H)
 
@@ -211,10 +218,11 @@ class RowRefs:
         dW_t += D_t x_r, summed per target in the order of a stable sort (deterministic)."""
         n = xc.shape[0]
         keys, order = torch.sort(self.key[:n], stable=True)
-        block = self.p.cfg["logits_tiles"]["finish_block_h"]
+        cfg = self.p.cfg["logits_tiles"]
+        block = cfg["finish_block_h"]
         dw_targets_kernel[(n, triton.cdiv(self.p.H, block))](
             dw, dw.stride(0), keys, order, self.dt, xc, xc.stride(0), n, self.p.H,
-            BLOCK_H=block)
+            BLOCK_H=block, RB=cfg["target_rows"], num_warps=cfg["finish_warps"])
 
 
 def applicable(p, with_ws: bool, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
