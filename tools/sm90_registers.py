@@ -24,16 +24,18 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fused_ce.kernels import (config, grad_logits, log_probs, logits_tiles,  # noqa: E402
-                              row_chunks, row_stats)
+                              row_chunks, row_ref, row_stats)
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
 # pointers to the inputs' dtype (x, W, the bias) and to D / E (the input dtype, or fp32 under
 # the interpreter); integer pointers; the rest point to fp32 and the scalars are int32 unless
 # named here
-DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr", "u_ptr", "out_ptr"}
+DATA_PTRS = {"x_ptr", "w_ptr", "w_src", "bias_ptr", "d_ptr", "e_ptr", "u_ptr", "out_ptr",
+             "xs_ptr"}
 INT_PTRS = {"target_ptr": "*i64", "row_idx_ptr": "*i32", "n_valid_ptr": "*i32", "count_ptr": "*i32",
-            "a_ptr": "*i32", "am_ptr": "*i32"}
+            "a_ptr": "*i32", "am_ptr": "*i32", "key_ptr": "*i32", "keys_ptr": "*i32",
+            "order_ptr": "*i64"}
 FP32_SCALARS = {"softcap"}
 
 
@@ -107,15 +109,43 @@ def logits_tiles_cases(variants: bool):
                        {k: v.replace("bf16", dt) for k, v in desc.items() if k != "e_desc"},
                        cfg["num_warps"], cfg["stats_stages"], dt)
         bs = logits_tiles.tile_width(cfg)
-        for ws, cw, need_d, cap in ([(False, False, True, False), (False, False, True, True)]
-                                    + [(True, True, False, True)] * variants):
+        for ws, cw, need_d, cap, ref in ([(False, False, True, False, False),
+                                          (False, False, True, True, False),
+                                          (False, False, True, False, True)]
+                                         + [(True, True, False, True, False),
+                                            (False, True, True, True, True)] * variants):
             consts = dict(HAS_BIAS=not need_d, HAS_CW=cw, WITH_WS=ws, WITH_LOSS=need_d,
                           NEED_D=need_d, HAS_SOFTCAP=cap,
                           BLOCK_T=256, BLOCK_H=cfg["finish_block_h"], TILES=cfg["finish_tiles"],
-                          BN=bs, FILL=cfg["fill_rows"])
+                          BN=bs, FILL=cfg["fill_rows"], ROW_REF=ref)
             yield (f"finish_tiles_kernel {name}" + " softcap" * (cap and need_d)
-                   + " ws cw softcap, no D" * cw, logits_tiles.finish_tiles_kernel, consts, {},
+                   + " ws cw softcap, no D" * (cw and not need_d) + " cw" * (cw and need_d)
+                   + " row refs" * ref, logits_tiles.finish_tiles_kernel, consts, {},
                    cfg["finish_warps"], 1, "bf16")
+        # the row references (row_ref.py): E against them in the epilogue, and their kernels
+        for split in sorted({1, cfg["split"]}):
+            for cap in (False, True):
+                bs_e = cfg["BN"] // split
+                desc = {"x_desc": f"tensordesc<bf16[{cfg['BM']}, {cfg['BK']}]>",
+                        "w_desc": f"tensordesc<bf16[{cfg['BN']}, {cfg['BK']}]>",
+                        "e_desc": f"tensordesc<bf16[{cfg['BM']}, {bs_e}]>"}
+                yield (f"logits_tiles_kernel {name} split {split} row refs" + " softcap" * cap,
+                       logits_tiles.logits_tiles_kernel,
+                       dict(E_DTYPE=tl.bfloat16, HAS_BIAS=False, HAS_CW=False, WITH_WS=False,
+                            UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SPLIT=split,
+                            FLATTEN=cfg["flatten"], LOG_PROBS=False, STATS_ONLY=False,
+                            HAS_SOFTCAP=cap, ROW_REF=True),
+                       desc, cfg["num_warps"], cfg["num_stages"], "bf16")
+        for bias in (False, True):
+            yield (f"target_refs_kernel {name}" + " bias softcap" * bias,
+                   row_ref.target_refs_kernel,
+                   dict(HAS_BIAS=bias, HAS_SOFTCAP=bias, BLOCK_H=cfg["finish_block_h"]), {},
+                   cfg["finish_warps"], 1, "bf16")
+        yield (f"dx_rows_kernel {name}", row_ref.dx_rows_kernel,
+               dict(BLOCK_H=cfg["finish_block_h"]), {}, 4, 1, "bf16")
+        yield (f"dw_targets_kernel {name}", row_ref.dw_targets_kernel,
+               dict(BLOCK_H=cfg["finish_block_h"], RB=cfg["target_rows"]), {},
+               cfg["finish_warps"], 1, "bf16")
         for cw, cap in [(False, False), (False, True)] + [(True, False)] * variants:
             yield (f"d_tiles_kernel {name}" + " cw" * cw + " softcap" * cap,
                    logits_tiles.d_tiles_kernel,
