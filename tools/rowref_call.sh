@@ -17,6 +17,7 @@ ab() { timeout 150 python3 benchmarks/bench.py --out "$OUT/ab$1" --rep-ms 300 --
   --methods fused_ce_rowref,fused_ce_dpass 2>&1 | grep -E "^(llama3|gemma2)(_zipf)? " \
   | tee -a "$OUT/ab.log"; }
 ab 1
+[ -n "$SHORT" ] && exit 0  # (SHORT=1: the tests and one A/B round only)
 timeout 80 python3 tools/probe_row_ref.py 2>&1 | grep -v Warn | tee "$OUT/probe_row_ref.log"
 case "$gpu" in
   *H200*) OUT=$OUT STEPS=large LARGE_TIMEOUT=170 REP_MS=300 LARGE_SHAPES=gemma2,llama3 \
