@@ -1411,3 +1411,29 @@ def test_row_ref_path(n, h, v, bias, class_weight, budget, softcap, far, monkeyp
             assert (s[in_shard] == 1).any() and (s[in_shard] != 1).any()
         else:
             assert (s[in_shard] != 1).all()
+
+
+@pytest.mark.parametrize("min_v,taken", [(71, True), (72, False)])
+def test_row_ref_from_its_vocabulary_size(min_v, taken, monkeypatch):
+    """Row references serve vocabularies of at least the configuration's row_ref_min_v
+    (row_ref.applicable: below it the D pass is cheap and runs of equal targets long); below
+    it the D pass runs, with the same gradients against fp64."""
+    from fused_ce.kernels import row_ref
+
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "row_ref": True,
+                         "row_ref_min_v": min_v})
+    used = _epilogue_path_used(monkeypatch)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    made = _recorded_instances(monkeypatch, row_ref.RowRefs)
+    n, h, v = 30, 20, 71
+    x, w, _, t, _ = _inputs(n, h, v, torch.float32, bias=False)
+    co = GradCoefs(*(c / n for c in _coefs(n, _gen())))
+    co = co._replace(smooth=torch.zeros(n), prob=co.target)
+    kw = dict(with_weighted_sum=False, coefs=co, need_dx=True, need_dw=True, need_db=False)
+    ours = kernels.forward(x, w, None, t, IGNORE, None, None, **kw)
+    ref = reference.forward(_d(x), _d(w), None, t, IGNORE, None, None,
+                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    assert used and len(made) == int(taken)
+    _check_grads(ours, ref._asdict(), x, w, None, 1e-5, (True, True, False))

@@ -53,12 +53,13 @@ GPU = {
     # label smoothing), so that the D pass runs only for rows that cannot keep it. H100, same
     # call, two rounds (NOTES.md #95): Gemma-2's head 46.91 / 46.70 -> 44.83 / 44.67 ms,
     # Llama-3's 93.3 / 80.42 -> 91.0 / 80.45; off until measured on the H200 with its tests
-    # target_rows: rows per step of row_ref.dw_targets_kernel's loop over a run of equal targets
+    # target_rows: rows per step of row_ref.dw_targets_kernel's loop over a run of equal targets;
+    # row_ref_min_v: the smallest vocabulary that takes row references (row_ref.applicable)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=0, db_rows=64, db_tiles=16, db_warps=8,
                          overlap=True, stats_stages=4, fill_rows=1024, row_ref=False,
-                         target_rows=16),
+                         target_rows=16, row_ref_min_v=8192),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
 # Llama-3 shape: stats pass 39.8 vs 48.4 ms, forward+grads 183 vs 195 ms with W read through
@@ -88,7 +89,7 @@ INTERPRETER = {
                          split=2, finish_tiles=2, finish_warps=1, finish_block_h=16, programs=3,
                          use=False, min_rows=0, db_rows=3, db_tiles=2, db_warps=1,
                          overlap=False, stats_stages=1, fill_rows=4, row_ref=False,
-                         target_rows=2),
+                         target_rows=2, row_ref_min_v=8),
 }
 # Bytes of the logits-gradient workspace D per sweep: default mode, memory-minimal mode.
 D_BYTES = 64 * 2**20

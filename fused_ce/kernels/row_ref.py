@@ -227,6 +227,10 @@ class RowRefs:
 
 def applicable(p, with_ws: bool, need_dx: bool, need_dw: bool, need_db: bool) -> bool:
     """Wanted (the tile configuration's "row_ref") for a loss with dX or dW but no db and no
-    label smoothing (no weighted sums: ``with_ws`` False) on the epilogue path."""
-    return p.cfg["logits_tiles"]["row_ref"] and (need_dx or need_dw) and not (
-        need_db or with_ws)
+    label smoothing (no weighted sums: ``with_ws`` False) on the epilogue path, at a vocabulary
+    of at least "row_ref_min_v" columns. Below that the D pass costs little (4 V bytes a row)
+    and equal targets are common: a run of N / V rows per target, which dw_targets_kernel
+    sums in one program (a 9-class token tagger's runs would be thousands of rows long)."""
+    cfg = p.cfg["logits_tiles"]
+    return (cfg["row_ref"] and p.V >= cfg["row_ref_min_v"] and (need_dx or need_dw)
+            and not (need_db or with_ws))
