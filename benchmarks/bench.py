@@ -94,10 +94,11 @@ def make_inputs(shape, seed=0):
     x = (torch.randn(n, h, device="cuda", generator=g) * 1.0).to(torch.bfloat16)
     w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(torch.bfloat16)
     b = (torch.randn(v, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
     if shape in ZIPF:
         t = torch.multinomial(1.0 / torch.arange(1, v + 1, device="cuda"), n, replacement=True,
                               generator=g)
+    else:
+        t = torch.randint(0, v, (n,), device="cuda", generator=g)
     if frac < 1.0:
         keep = torch.rand(n, device="cuda", generator=g) < frac
         t = torch.where(keep, t, torch.full_like(t, -100))

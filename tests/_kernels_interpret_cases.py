@@ -1355,6 +1355,33 @@ def test_row_chunks_without_host_read(dtype, tiles, ignored, bias, softcap, clas
     assert len(used) == (2 * triton.cdiv(n, spans[0][2]) if tiles else 0)
 
 
+def _row_ref_path(monkeypatch, **tiles) -> tuple[list, list]:
+    """The epilogue path on the CPU with row references wanted (and the tile configuration's
+    ``tiles``): (the epilogue GEMM's runs, the row_ref.RowRefs made), as the case fills them."""
+    from fused_ce.kernels import row_ref
+
+    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
+                        {**config.INTERPRETER["logits_tiles"], "row_ref": True, **tiles})
+    used = _epilogue_path_used(monkeypatch)
+    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
+    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    return used, _recorded_instances(monkeypatch, row_ref.RowRefs)
+
+
+def _unsmoothed_coefs(n, g) -> GradCoefs:
+    """Random coefficients of a loss without label smoothing (the row references' losses)."""
+    co = GradCoefs(*(c / n for c in _coefs(n, g)))
+    return co._replace(smooth=torch.zeros(n), prob=co.target)
+
+
+def _forward_without_db(x, w, b, t, softcap, cw, co):
+    """(kernels.forward, reference.forward in fp64) with dX and dW, not db."""
+    kw = dict(with_weighted_sum=False, coefs=co, need_dx=True, need_dw=True, need_db=False)
+    return (kernels.forward(x, w, b, t, IGNORE, softcap, cw, **kw),
+            reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
+                              **{**kw, "coefs": GradCoefs(*map(_d, co))}))
+
+
 @pytest.mark.parametrize("n,h,v", [(1, 52, 37), (45, 52, 101), (90, 48, 71)])
 @pytest.mark.parametrize("bias,class_weight,budget,softcap,far", [
     (True, False, 2**20, None, False), (False, True, 7 * 128 * 4, None, False),
@@ -1372,32 +1399,21 @@ def test_row_ref_path(n, h, v, bias, class_weight, budget, softcap, far, monkeyp
     out-of-shard targets take it too, the other rows keep the scale. Every other row's target
     is one class (a run of equal targets longer than dw_targets_kernel's row block). Which rows
     did is read from s with one chunk (1 for a whole D row)."""
-    from fused_ce.kernels import row_ref
-
-    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
-                        {**config.INTERPRETER["logits_tiles"], "row_ref": True})
-    used = _epilogue_path_used(monkeypatch)
-    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
-    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
+    used, made = _row_ref_path(monkeypatch)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", budget)
     monkeypatch.setattr(config, "ROW_CHUNKS_FEW", 1000)
-    made = _recorded_instances(monkeypatch, row_ref.RowRefs)
     g = _gen()
     x, w, b, t, cw = _inputs(n, h, v, torch.float32, bias=bias, class_weight=class_weight,
                              ignored=0.25 if n > 1 else 0.0, g=g)
     t[3::2] = torch.where(t[3::2] == IGNORE, IGNORE, 5)  # (t[1], t[2]: out of shard)
-    co = GradCoefs(*(c / n for c in _coefs(n, g)))
-    co = co._replace(smooth=torch.zeros(n), prob=co.target)
+    co = _unsmoothed_coefs(n, g)
     if far:
         x[::3] *= 30
         if b is None:
             b = torch.zeros(v)
         b[int(torch.randint(0, v, (1,), generator=g))] = 38.0
         co.target[-1] = co.prob[-1] = co.lse_sq[-1] = 0.0
-    kw = dict(with_weighted_sum=False, coefs=co, need_dx=True, need_dw=True, need_db=False)
-    ours = kernels.forward(x, w, b, t, IGNORE, softcap, cw, **kw)
-    ref = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, softcap, _d(cw),
-                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    ours, ref = _forward_without_db(x, w, b, t, softcap, cw, co)
     assert used and len(made) == 1, "the row-reference path did not run"
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, False))
@@ -1418,22 +1434,9 @@ def test_row_ref_from_its_vocabulary_size(min_v, taken, monkeypatch):
     """Row references serve vocabularies of at least the configuration's row_ref_min_v
     (row_ref.applicable: below it the D pass is cheap and runs of equal targets long); below
     it the D pass runs, with the same gradients against fp64."""
-    from fused_ce.kernels import row_ref
-
-    monkeypatch.setitem(config.INTERPRETER, "logits_tiles",
-                        {**config.INTERPRETER["logits_tiles"], "row_ref": True,
-                         "row_ref_min_v": min_v})
-    used = _epilogue_path_used(monkeypatch)
-    monkeypatch.setattr(config, "LOGITS_EPILOGUE", True)
-    monkeypatch.setattr(config, "ROW_CHUNKS_ON_CPU", True)
-    made = _recorded_instances(monkeypatch, row_ref.RowRefs)
+    used, made = _row_ref_path(monkeypatch, row_ref_min_v=min_v)
     n, h, v = 30, 20, 71
     x, w, _, t, _ = _inputs(n, h, v, torch.float32, bias=False)
-    co = GradCoefs(*(c / n for c in _coefs(n, _gen())))
-    co = co._replace(smooth=torch.zeros(n), prob=co.target)
-    kw = dict(with_weighted_sum=False, coefs=co, need_dx=True, need_dw=True, need_db=False)
-    ours = kernels.forward(x, w, None, t, IGNORE, None, None, **kw)
-    ref = reference.forward(_d(x), _d(w), None, t, IGNORE, None, None,
-                            **{**kw, "coefs": GradCoefs(*map(_d, co))})
+    ours, ref = _forward_without_db(x, w, None, t, None, None, _unsmoothed_coefs(n, _gen()))
     assert used and len(made) == int(taken)
     _check_grads(ours, ref._asdict(), x, w, None, 1e-5, (True, True, False))
