@@ -183,6 +183,13 @@ def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):
     assert (ours.dx[~valid] == 0).all()
 
 
+def _row_refs(monkeypatch, on: bool) -> None:
+    """Row references (row_ref.py) wanted, or not, in both GPU tile configurations."""
+    for key in ("gpu", "gpu_wide"):
+        monkeypatch.setitem(config.CONFIG[key], "logits_tiles",
+                            {**config.CONFIG[key]["logits_tiles"], "row_ref": on})
+
+
 @pytest.mark.parametrize("h,softcap,multi,rows", [
     (1024, None, False, "random"), (2304, None, True, "confident"),
     (2304, 30.0, False, "confident"), (1024, None, True, "far"), (2304, None, True, "zipf")])
@@ -200,11 +207,6 @@ def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
     GEMM's fp32 accumulation of z_t, of size |x| |W_t|, sets it for both); two runs
     identical."""
     from fused_ce.kernels import row_ref
-
-    def row_refs(on):
-        for key in ("gpu", "gpu_wide"):
-            monkeypatch.setitem(config.CONFIG[key], "logits_tiles",
-                                {**config.CONFIG[key]["logits_tiles"], "row_ref": on})
 
     made = []
     real = row_ref.RowRefs.__init__
@@ -225,9 +227,9 @@ def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
         t = torch.where(t == -100, t, zipf)
     coefs = _mean_coefs(t, n)
     kw = dict(with_weighted_sum=False, coefs=coefs, need_dx=True, need_dw=True, need_db=False)
-    row_refs(False)
+    _row_refs(monkeypatch, False)
     d_pass = kernels.forward(x, w, b, t, -100, softcap, None, **kw)
-    row_refs(True)
+    _row_refs(monkeypatch, True)
     runs = [kernels.forward(x, w, b, t, -100, softcap, None, **kw) for _ in range(2)]
     _assert_identical(*runs)  # (the target terms' sums in a fixed order: deterministic)
     ours = runs[0]
@@ -431,9 +433,7 @@ def test_captured_training_step_row_chunks(dtype, epilogue, ignored, reduction, 
     import fused_ce
     from fused_ce.kernels import row_chunks
     monkeypatch.setattr(config, "LOGITS_EPILOGUE", epilogue)
-    for key in ("gpu", "gpu_wide"):
-        monkeypatch.setitem(config.CONFIG[key], "logits_tiles",
-                            {**config.CONFIG[key]["logits_tiles"], "row_ref": row_ref})
+    _row_refs(monkeypatch, row_ref)
     monkeypatch.setattr(config, "ROW_CHUNK_BYTES", 16 * 2**20)  # 3000 rows: several chunks
     reads = []
     real = row_chunks.forward_with_grads

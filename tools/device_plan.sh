@@ -9,7 +9,7 @@
 # GPU tests, the MLM step's host stages and its kernels (twenty-sixth session); PART=check a
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
 # at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
-# (thirtieth).
+# (thirtieth). PART=rowref the row-reference option (thirty-fourth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -87,4 +87,24 @@ graphs)  # ~200 s: captured steps (thirtieth session, #91): fused_ce and torch.c
 exp) tests; stats_stages_ab 1
     STEPS=tiles_cfg TILES_ROUNDS=1 TILES_SHAPES=llama3,gemma2 TILES_CFGS='{};{"overlap": true}' \
     bash tools/gpu_steps.sh ;;
+rowref)  # ~550 s (thirty-fourth session): the row-reference option (NOTES.md #95-#98), most
+    # wanted first (a call cut short keeps what it wrote): its GPU tests; an A/B against the D
+    # pass, also with Zipf-drawn targets (AB_SHAPES); the error probe; on an H200 the wide
+    # heads with their peers, on another card a second A/B; the profile at Gemma-2. SHORT=1:
+    # the tests and one A/B only
+    HF_HUB_OFFLINE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "row_ref or captured" 2>&1 | grep -v Warn | tail -15 | tee "$OUT/tests_rowref.log"
+    wide() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=300 LARGE_SHAPES=$2 LARGE_METHODS=$3 \
+      bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/$4.log"; }
+    ab() { wide 150 "${AB_SHAPES:-gemma2,gemma2_zipf,llama3}" fused_ce_rowref,fused_ce_dpass ab$1; }
+    ab 1
+    [ -n "$SHORT" ] && exit 0
+    timeout 80 python3 tools/probe_row_ref.py 2>&1 | grep -v Warn | tee "$OUT/probe_row_ref.log"
+    case "$gpu" in
+      *H200*) wide 170 gemma2,llama3 fused_ce_rowref,fused_ce,compile,liger,floor peers ;;
+      *) ab 2 ;;
+    esac
+    PYTHONPATH=/tmp/site:. timeout 100 python3 tools/profile_kernels.py --shapes gemma2 \
+      --methods fused_ce_dpass,fused_ce_rowref --rows 8 2>&1 | grep -v Warn > "$OUT/profile.log"
+    grep -A9 "^===" "$OUT/profile.log" ;;
 esac
