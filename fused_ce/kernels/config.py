@@ -52,7 +52,9 @@ GPU = {
     # row_ref: E against one reference logit per row where it applies (row_ref.py: no db, no
     # label smoothing), so that the D pass runs only for rows that cannot keep it. H100, same
     # call, two rounds (NOTES.md #95): Gemma-2's head 46.91 / 46.70 -> 44.83 / 44.67 ms,
-    # Llama-3's 93.3 / 80.42 -> 91.0 / 80.45; off until measured on the H200 with its tests
+    # Llama-3's 93.3 / 80.42 -> 91.0 / 80.45; H100, thirty-fifth session, same call, two rounds
+    # (NOTES.md #99): Gemma-2 47.12 / 46.88 -> 44.62 / 44.92, Gemma-2 with Zipf targets 50.72 /
+    # 50.57 -> 48.32 / 48.17, Llama-3 91.04 / 80.98 -> 91.16 / 79.09. On for wide heads (GPU_WIDE)
     # target_rows: rows per step of row_ref.dw_targets_kernel's loop over a run of equal targets;
     # row_ref_min_v: the smallest vocabulary that takes row references (row_ref.applicable)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
@@ -73,7 +75,7 @@ GPU_WIDE = {
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
     # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
     "logits_tiles": {**GPU["logits_tiles"], "overlap": False,
-                     "stats_stages": 3},
+                     "stats_stages": 3, "row_ref": True},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.
