@@ -69,9 +69,13 @@ SHAPES = {
     # targets as text's instead of uniform: p_k ~ 1 / (k + 1), the commonest ~8 % of the rows
     "llama3_zipf": (16384, 4096, 128256, False, 1.0, "ce"),
     "gemma2_zipf": (8192, 2304, 256000, False, 1.0, "ce"),
+    # a small language model's head (Qwen2.5-0.5B: tied embeddings, no bias), narrow and wide:
+    # the D pass is a larger share there than at the wide heads
+    "qwen05b": (16384, 896, 151936, False, 1.0, "ce"),
 }
 SOFTCAP = {"gemma2_softcap": 30.0}
 ZIPF = ("llama3_zipf", "gemma2_zipf")
+EXTRA = ZIPF + ("qwen05b",)  # not in the default run (the shapes)
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "fused_ce_sweep",
               "fused_ce_lowmem", "fused_ce_sweep_triton",
@@ -437,7 +441,7 @@ def plots(rows, out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="results folder (JSON, PNG)")
-    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in ZIPF))
+    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s not in EXTRA))
     ap.add_argument("--methods", default=",".join(CE_METHODS))
     ap.add_argument("--rep-ms", type=float, default=400.0)
     ap.add_argument("--warmup-ms", type=float, default=100.0)

@@ -9,7 +9,8 @@
 # GPU tests, the MLM step's host stages and its kernels (twenty-sixth session); PART=check a
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
 # at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
-# (thirtieth). PART=rowref the row-reference option (thirty-fourth).
+# (thirtieth). PART=rowref the row-reference option (thirty-fourth); PART=rowref_on with it on
+# for wide heads (thirty-fifth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -107,4 +108,18 @@ rowref)  # ~550 s (thirty-fourth session): the row-reference option (NOTES.md #9
     PYTHONPATH=/tmp/site:. timeout 100 python3 tools/profile_kernels.py --shapes gemma2 \
       --methods fused_ce_dpass,fused_ce_rowref --rows 8 2>&1 | grep -v Warn > "$OUT/profile.log"
     grep -A9 "^===" "$OUT/profile.log" ;;
+rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references on for wide heads;
+    # on an H200 the wide heads with their peers first (the issue's table), then the A/B at a
+    # small LM's head (the GPU configuration, where row_ref is still off), then all GPU tests;
+    # on another card the tests first
+    table() { STEPS=large LARGE_TIMEOUT=200 REP_MS=400 LARGE_SHAPES=gemma2,llama3 \
+      LARGE_METHODS=fused_ce,fused_ce_dpass,compile,liger,floor bash tools/gpu_steps.sh
+      cp "$OUT/large.log" "$OUT/table.log"; }
+    small() { STEPS=large LARGE_TIMEOUT=100 REP_MS=300 LARGE_SHAPES=qwen05b \
+      LARGE_METHODS=fused_ce_rowref,fused_ce_dpass,compile,liger,floor bash tools/gpu_steps.sh
+      cp "$OUT/large.log" "$OUT/small.log"; }
+    case "$gpu" in
+      *H200*) table; small; tests ;;
+      *) tests; small; table ;;
+    esac ;;
 esac
