@@ -393,6 +393,93 @@ def test_low_memory_dw_layout(budget, known, want, monkeypatch):
     assert _low_memory_dw_chunks(p, 4, known, False)[:2] == (False, 4)  # Triton products
 
 
+def _gradients_module():
+    import sys
+    return sys.modules["fused_ce.kernels.gradients"]  # (kernels.gradients is the function)
+
+
+@pytest.mark.parametrize("dtype,entry", [(torch.float32, "forward"), (torch.bfloat16, "forward"),
+                                         (torch.bfloat16, "backward")])
+def test_low_memory_one_sweep(dtype, entry, monkeypatch):
+    """The memory-minimal gradients in one sweep where every row is valid (gradients.
+    _low_memory_one_sweep): dX's fp32 accumulator in dW's last rows (bf16; fp32 dX is its own
+    accumulator), the first part's chunks with D in dW's rows past them, the rest of the
+    columns twice (dX's products with D in dX's buffer, then the dW sweep). N = 37 < V = 1000
+    with D's budget at one 32-column block, large biases, a softcap, class weights, label
+    smoothing and z-loss terms; the backward with one coefficient multiplied back. Against
+    the fp64 oracle and against the row blocks' scheme (from the same D values)."""
+    mod = _gradients_module()
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+    monkeypatch.setattr(config, "STATS_EPILOGUE", True)
+    monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 37 * 32 * dtype.itemsize + 64)
+    took = []
+    real = mod._low_memory_one_sweep
+    monkeypatch.setattr(mod, "_low_memory_one_sweep",
+                        lambda *a, **k: took.append(a[6]) or real(*a, **k))
+    g = _gen()
+    x, w, b, t, cw = _inputs(37, 72, 1000, dtype, ignored=0.0, out_of_shard=False,
+                             class_weight=True, g=g)
+    b = (b.float() * 8).to(dtype)
+    co = _coefs(37, g)
+    need = dict(need_dx=True, need_dw=True, need_db=True, low_memory=True)
+
+    def run():
+        if entry == "forward":
+            r = kernels.forward(x, w, b, t, IGNORE, 20.0, cw, coefs=co, check_targets=True,
+                                **need)
+            return dict(dx=r.dx, dw=r.dw, db=r.db)
+        k = GradCoefs(*(c * 0.001 for c in co))
+        return dict(zip(("dx", "dw", "db"), kernels.backward(
+            x, w, b, t, IGNORE, 20.0, cw, lse.float(), k, **need)))
+
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, 20.0, _d(cw)).lse
+    ours = run()
+    v_acc, widths = took[0]
+    assert v_acc == (1000 if dtype == torch.float32 else 920)
+    assert len(widths) >= 2 and 500 <= sum(widths) < 1000  # (so all three parts ran)
+    monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", False)
+    blocks = run()
+    assert len(took) == 1
+    scale = 1.0 if entry == "forward" else 0.001
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, 20.0, _d(cw), lse,
+                             GradCoefs(*(_d(c) * scale for c in co)), need_dx=True,
+                             need_dw=True, need_db=True)
+    for name, exp in zip(("dx", "dw", "db"), ref):
+        got = ours[name]
+        assert got.dtype == dtype and not got.isnan().any(), name
+        if dtype == torch.float32:
+            assert _rel(got, exp) <= 1e-5, (name, _rel(got, exp))
+        else:  # (D itself is bf16: the error of both schemes; their fp32 sums over other
+            # column chunks may round a rare element the other way)
+            assert _rel(got, blocks[name]) <= 1e-3, name
+            assert _rel(got, exp) <= 6e-3, (name, _rel(got, exp))
+
+
+@pytest.mark.parametrize("case", ["ok", "ignored", "count_unknown", "no_dx", "narrow_h",
+                                  "few_columns"])
+def test_one_sweep_layout_where_it_applies(case, monkeypatch):
+    """gradients._one_sweep_layout: every row valid with the count read, dX and dW asked for,
+    H at least the vocabulary tile, the first part at least half the columns."""
+    from fused_ce.kernels.problem import Problem
+    mod = _gradients_module()
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+    n, h, v = 37, 8 if case == "narrow_h" else 72, 120 if case == "few_columns" else 1000
+    t = torch.randint(0, v, (n,))
+    if case == "ignored":
+        t[5] = IGNORE
+    x, w = torch.randn(n, h), torch.randn(v, h)
+    p = Problem(x, w, None, t, IGNORE, None, None)
+    if case != "count_unknown":
+        p.n_valid_host = int((t != IGNORE).sum())
+    dx = None if case == "no_dx" else torch.empty(n, h, dtype=torch.bfloat16)
+    dw = torch.empty(v, h, dtype=torch.bfloat16)
+    layout = mod._one_sweep_layout(p, n, dx, dw, 32)
+    if case == "ok":
+        assert layout[0] == 920 and sum(layout[1]) >= 500
+    else:
+        assert layout is None
+
+
 def test_w_descriptor_same_results_as_pointers(small_chunks, monkeypatch):
     """The sweeps read a 16-bit W through a TMA descriptor where its rows are 16-byte aligned
     (zeros past V and H from the descriptor), else through pointers: the same logits bit for

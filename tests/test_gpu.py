@@ -145,6 +145,39 @@ def test_forward_with_grads_vs_fp64(dtype, low_memory, softcap, which, monkeypat
     assert (ours.dx[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("h,v,softcap,budget", [(1024, 10007, None, 2**20),
+                                               (2304, 50021, 30.0, None)])
+def test_low_memory_one_sweep_vs_fp64(h, v, softcap, budget, monkeypatch):
+    """low_memory in one sweep (gradients._low_memory_one_sweep: every row valid, the count
+    read by the target check, dX's fp32 accumulator in dW's last rows): BERT's and the wide
+    heads' configurations, 1000 rows, large biases, against fp64 and the row blocks' scheme
+    (the same D)."""
+    import sys
+    mod = sys.modules["fused_ce.kernels.gradients"]
+    if budget:
+        monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", budget)
+    took = []
+    real = mod._low_memory_one_sweep
+    monkeypatch.setattr(mod, "_low_memory_one_sweep",
+                        lambda *a, **k: took.append(a[6]) or real(*a, **k))
+    x, w, b, t = _inputs(1000, h, v, torch.bfloat16, ignored=0.0)
+    b = (b.float() * 8).bfloat16()
+    coefs = _mean_coefs(t, 1000)
+    kw = dict(coefs=coefs, need_dx=True, need_dw=True, need_db=True, low_memory=True,
+              check_targets=True)
+    ours = kernels.forward(x, w, b, t, -100, softcap, None, **kw)
+    assert len(took) == 1 and sum(took[0][1]) < v  # (all three parts)
+    monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", False)
+    blocks = kernels.forward(x, w, b, t, -100, softcap, None, **kw)
+    ref = _oracle(x, w, b, t, coefs, softcap=softcap)
+    eager = _eager_grad_errors(x, w, b, t, softcap, ref)
+    for name in ("dx", "dw", "db"):
+        got = getattr(ours, name)
+        # (fp32 sums over other column chunks: a rare element rounds the other way)
+        assert _rel(got, getattr(blocks, name)) <= 1e-3, name
+        assert _rel(got, getattr(ref, name)) <= max(GRAD_TOL, 1.25 * eager[name]), name
+
+
 @pytest.mark.parametrize("h,softcap,multi", [(1024, 30.0, False), (1024, 2.0, True),
                                              (2304, 30.0, True)])
 def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):

@@ -10,7 +10,7 @@
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
 # at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
 # (thirtieth). PART=rowref the row-reference option (thirty-fourth); PART=rowref_on with it on
-# for wide heads (thirty-fifth).
+# for wide heads, PART=lowmem low_memory's one sweep (thirty-fifth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -122,4 +122,14 @@ rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references o
       *H200*) table; small; tests ;;
       *) tests; small; table ;;
     esac ;;
+lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of low_memory
+    # and the row references; low_memory in one sweep against the row blocks and row references
+    # against the D pass, then a second round of the former
+    HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "low_memory or one_sweep or row_ref" 2>&1 | grep -v Warn | tail -5 \
+      | tee "$OUT/tests_lowmem.log"
+    ab() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=300 LARGE_SHAPES=${AB_SHAPES:-llama3,gemma2,qwen05b} \
+      LARGE_METHODS=$2 bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/ab_lowmem$3.log"; }
+    ab 150 fused_ce_lowmem,fused_ce_lowmem_blocks,fused_ce,fused_ce_dpass,floor 1
+    ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem 2 ;;
 esac

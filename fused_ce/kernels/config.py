@@ -143,6 +143,9 @@ STATS_TILE_BYTES = 64 * 2**20
 # switch runs that branch under the interpreter (tests).
 LIBRARY_PRODUCTS = True
 LIBRARY_PRODUCTS_ON_CPU = False
+# low_memory's gradients in one sweep where every row is valid (gradients._low_memory_one_sweep:
+# dX's fp32 accumulator in dW's buffer), instead of dX's row blocks and then the dW sweep
+LOW_MEMORY_ONE_SWEEP = True
 # The sweeps' logits kernels (logits.py) read a 16-bit W through a TMA tensor descriptor where
 # its rows are 16-byte aligned (else, and for fp32, through a pointer per element).
 W_DESCRIPTOR = True

@@ -120,8 +120,9 @@ def _carve(scratch, shapes_dtypes):
 
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
            library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False,
-           factor=None):
-    """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows).
+           factor=None, v_start: int = 0):
+    """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows), over
+    the columns [v_start, V).
 
     ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
     for, valid count unknown on the host) D's rows are the tokens' own rows, all N of them, so
@@ -159,7 +160,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     if library and dw is not None:
         x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
     tail = dw_tail and dw is not None and dx is None
-    widths = _tail_widths(p, d_rows, vc, dw, with_dw32) if tail else []
+    widths = _tail_widths(p, d_rows, vc, dw, with_dw32, v_start) if tail else []
     vc_max = max([vc, *widths])
     own = None  # [D, dW32, dX's accumulator] as asked for, of width vc: made when first needed
 
@@ -193,7 +194,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
                if db is not None else None)
     # the Triton products divide their sums by this: D's scale, over the factor
     prod_scale = scale if library or factor is None else scale / factor
-    v0, i = 0, 0
+    v0, i = v_start, 0
     while v0 < p.V:
         width = min(widths[i] if i < len(widths) else vc, p.V - v0)
         d, ldd, dw32, own_acc = buffers(v0, width)
@@ -203,12 +204,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             db_part = db_flat[:m_tiles * ldd].view(m_tiles, ldd)
             if not all_written:
                 db_part.zero_()
-        grad_logits_kernel[(m_tiles, triton.cdiv(width, lg["BLOCK_N"]))](
-            p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
-            lse, *cf, scale, d, ldd, db_part if db_part is not None else d,
-            p0, rows, v0, width, p.V, p.H, p.softcap_arg,
-            HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,
-            NEED_DB=db is not None, **p.flags, **lg)
+        _grad_logits(p, lse, cf, scale, d, ldd, db_part, p0, rows, v0, width,
+                     store_d=store_d, by_row=by_row)
         if library:
             dc = d[:, :width]
             if dw is not None:  # one product over every row: dW rounded once (if at all)
@@ -233,6 +230,20 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], _times(acc, factor).to(dx.dtype))
 
 
+def _grad_logits(p: Problem, lse, cf, scale, d, ldd: int, db_part, p0: int, rows: int, v0: int,
+                 width: int, *, store_d: bool = True, by_row: bool = False):
+    """D = dz * scale for the compacted rows [p0, p0 + rows) and the columns [v0, v0 + width)
+    into ``d`` (row stride ``ldd``; with ``by_row`` its rows are the tokens' own), and with
+    ``db_part`` db's partial sums per row tile (grad_logits.py)."""
+    lg = p.cfg["logits"]
+    grad_logits_kernel[(triton.cdiv(rows, lg["BLOCK_M"]), triton.cdiv(width, lg["BLOCK_N"]))](
+        p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+        lse, *cf, scale, d, ldd, db_part if db_part is not None else d,
+        p0, rows, v0, width, p.V, p.H, p.softcap_arg,
+        HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,
+        NEED_DB=db_part is not None, **p.flags, **lg)
+
+
 def _times(t, factor, out=None):
     """``t * factor`` (``factor`` a device scalar, or None for 1) into ``out``, rounded to its
     dtype, or into ``t`` in place. Returns the result."""
@@ -243,18 +254,21 @@ def _times(t, factor, out=None):
     return torch.mul(t, factor, out=out)
 
 
-def _tail_widths(p: Problem, d_rows: int, vc: int, dw, with_dw32: bool) -> list:
-    """Widths of the dW sweep's first chunks when each keeps its D (d_rows rows) and fp32 dW
-    chunk in dW's rows past it (still unwritten): each the widest multiple of the vocabulary
-    tile that fits there, as long as that is wider than vc (the own buffers' width, used for
-    the rest). At BERT's head on 8192 rows 2688, 2432, ... columns: 30 chunks instead of 60."""
+def _tail_widths(p: Problem, d_rows: int, vc: int, dw, with_dw32: bool, v_start: int = 0,
+                 end: int | None = None) -> list:
+    """Widths of the dW sweep's first chunks from column v_start on when each keeps its D
+    (d_rows rows) and fp32 dW chunk in dW's rows past it up to row ``end`` (V: still
+    unwritten): each the widest multiple of the vocabulary tile that fits there, as long as
+    that is wider than vc (the own buffers' width, used for the rest). At BERT's head on 8192
+    rows 2688, 2432, ... columns: 30 chunks instead of 60."""
     block_n = p.cfg["logits"]["BLOCK_N"]
+    end = p.V if end is None else end
     row_bytes = p.H * dw.element_size()  # one row of dW
     per_col = d_rows * p.x.element_size() + p.H * 4 * with_dw32 + row_bytes
-    widths, v0 = [], 0
-    while v0 < p.V:
-        # D and dW32 (width w) within dW's rows [v0 + w, V), less 32 bytes of alignment
-        w = ((p.V - v0) * row_bytes - 32) // per_col // block_n * block_n
+    widths, v0 = [], v_start
+    while v0 < end:
+        # D and dW32 (width w) within dW's rows [v0 + w, end), less 32 bytes of alignment
+        w = ((end - v0) * row_bytes - 32) // per_col // block_n * block_n
         if w <= vc:
             break
         widths.append(w)
@@ -335,6 +349,84 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
     return True, p.N, vc_all
 
 
+def _one_sweep_layout(p: Problem, n_rows: int, dx, dw, vc: int):
+    """(columns of dX's fp32 accumulator's place in dW, the first part's chunk widths) of
+    _low_memory_one_sweep, or None where it does not apply: cuBLAS products, dX and dW asked
+    for, every row valid with the count read (the rows in order), dX's own buffer wide enough
+    for D's narrowest chunk, and a first part of at least half the vocabulary. The accumulator
+    (4 N H bytes; dX itself when dX is fp32) takes dW's last rows; the first part's chunks
+    keep D and their fp32 dW in dW's rows between them and it, as wide as fit (_tail_widths,
+    down to ``vc``, the dW sweep's own width)."""
+    if (not config.LOW_MEMORY_ONE_SWEEP or dx is None or dw is None or not library_products(p)
+            or p.n_valid_host != p.N
+            or n_rows != p.N or p.H < p.cfg["logits"]["BLOCK_N"]):
+        return None
+    row_bytes = p.H * dw.element_size()
+    v_acc = p.V
+    if dx.dtype != torch.float32:  # (from a row that is a multiple of 8: 16-byte aligned)
+        v_acc = (p.V - triton.cdiv(n_rows * p.H * 4, row_bytes)) // 8 * 8
+    widths = _tail_widths(p, n_rows, vc, dw, dw.dtype != torch.float32, end=max(v_acc, 0))
+    return (v_acc, widths) if 2 * sum(widths) >= p.V else None
+
+
+def _low_memory_one_sweep(p: Problem, lse, cf, scale, n_rows: int, vc: int, layout, *, dx, dw,
+                          db, factor):
+    """The memory-minimal gradients in four GEMM-equivalents and a fraction (counting the
+    statistics pass) instead of five, where _one_sweep_layout allows: no buffer beyond dX's
+    and dW's own, and db's chunk sums. dX = sum over column chunks of D W[chunk] needs an fp32
+    accumulator over all rows; dW[chunk] = D^T x needs D over all rows. Both come from one
+    D per chunk where the accumulator has a place, dW's last rows (unwritten until the end):
+      1. columns [0, v1): per chunk, D and its fp32 dW in dW's rows past it; dW[chunk]
+         finished, D W[chunk] added into the accumulator;
+      2. columns [v1, V): D again, in dX's buffer (its own: 8 MiB where dX is the
+         accumulator), only for dX's products; then dX finished from the accumulator;
+      3. columns [v1, V), which the accumulator no longer holds: the dW sweep (_sweep with
+         dw_tail), its logits a third time.
+    So the logits are computed 1 + (V - v1) / V times after the statistics pass, against twice
+    in the row blocks' scheme: at Llama-3's head (16384 x 4096 x 128256) v1 is 0.70 V."""
+    v_acc, widths = layout
+    f32 = torch.float32
+    acc = dx if dx.dtype == f32 else _carve(dw[v_acc:], [((n_rows, p.H), f32)])[0]
+    with_dw32 = dw.dtype != f32
+    elt = p.x.element_size()
+    m_tiles = triton.cdiv(n_rows, p.cfg["logits"]["BLOCK_M"])
+    db_flat = (torch.empty(m_tiles * _round_up(max(widths), 8), dtype=f32, device=p.device)
+               if db is not None else None)
+    v0 = 0
+    for width in widths:  # 1. (widths: multiples of the vocabulary tile, so rows of D aligned)
+        got = _carve(dw[v0 + width:v_acc], [((n_rows, width), p.x.dtype)] +
+                     [((width, p.H), f32)] * with_dw32)
+        d = got[0]
+        db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
+        _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width)
+        if with_dw32:
+            _times(gemm_f32(d.t(), p.x, got[1]), factor, out=dw[v0:v0 + width])
+        else:
+            _times(gemm_f32(d.t(), p.x, dw[v0:v0 + width]), factor)
+        gemm_f32(d, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+        if db is not None:
+            torch.sum(db_part, 0, out=db[v0:v0 + width])
+        v0 += width
+    v1 = v0
+    if v1 < p.V:  # 2.
+        block_n = p.cfg["logits"]["BLOCK_N"]
+        if acc is dx:
+            wb = _fit(config.D_BYTES_LOW_MEMORY // elt, n_rows, block_n, p.V - v1)
+            d = torch.empty((n_rows, wb), dtype=p.x.dtype, device=p.device)
+        else:  # (n_rows x wb within dX's n_rows x H: wb <= H)
+            wb = _fit(dx.numel(), n_rows, block_n, p.V - v1)
+            d = _carve(dx, [((n_rows, wb), p.x.dtype)])[0]
+        ldd = wb
+        for v0 in range(v1, p.V, wb):
+            width = min(wb, p.V - v0)
+            _grad_logits(p, lse, cf, scale, d, ldd, None, 0, n_rows, v0, width)
+            gemm_f32(d[:, :width], p.weight[v0:v0 + width], acc, accumulate=True)
+    _times(acc, factor, out=None if acc is dx else dx)
+    if v1 < p.V:  # 3.
+        _sweep(p, lse, cf, scale, 0, n_rows, vc, dw=dw, db=db, library=True, dw_tail=True,
+               factor=factor, v_start=v1)
+
+
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
               need_db: bool, low_memory: bool, round_grads: bool = True, factor=None):
     """(dx, dw, db) in the input dtypes, or without ``round_grads`` in fp32, unrounded (None
@@ -368,6 +460,13 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
             _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
                    by_row=lib and need_dw and not known, factor=factor)
         else:
+            by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
+            vc = ov.get("vc") or vc
+            layout = _one_sweep_layout(p, n_rows, dx, dw, vc)
+            if layout is not None:
+                _low_memory_one_sweep(p, lse, cf, scale, n_rows, vc, layout, dx=dx, dw=dw,
+                                      db=db32, factor=factor)
+                need_dx = need_dw = need_db = False  # (all done)
             if need_dx:
                 scratch = dw  # (None without dW; else written whole by the dW sweep below)
                 rb, rvc = _low_memory_dx_blocks(
@@ -377,9 +476,8 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                     _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
                            library=lib, scratch=scratch, factor=factor)
             if need_dw or need_db:
-                by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
-                _sweep(p, lse, cf, scale, 0, rows, ov.get("vc") or vc, dw=dw, db=db32,
-                       library=lib, by_row=by_row, dw_tail=dw is not None, factor=factor)
+                _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
+                       by_row=by_row, dw_tail=dw is not None, factor=factor)
     else:
         if dw is not None:
             dw.zero_()
