@@ -54,13 +54,15 @@ GPU = {
     # call, two rounds (NOTES.md #95): Gemma-2's head 46.91 / 46.70 -> 44.83 / 44.67 ms,
     # Llama-3's 93.3 / 80.42 -> 91.0 / 80.45; H100, thirty-fifth session, same call, two rounds
     # (NOTES.md #99): Gemma-2 47.12 / 46.88 -> 44.62 / 44.92, Gemma-2 with Zipf targets 50.72 /
-    # 50.57 -> 48.32 / 48.17, Llama-3 91.04 / 80.98 -> 91.16 / 79.09. On for wide heads (GPU_WIDE)
+    # 50.57 -> 48.32 / 48.17, Llama-3 91.04 / 80.98 -> 91.16 / 79.09; a small LM's head without
+    # a bias (16384 x 896 x 151936, NOTES.md #100) 26.34 -> 24.46 (torch.compile 26.60). BERT's
+    # heads have a bias (db needs the D pass), so they are not affected
     # target_rows: rows per step of row_ref.dw_targets_kernel's loop over a run of equal targets;
     # row_ref_min_v: the smallest vocabulary that takes row references (row_ref.applicable)
     "logits_tiles": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, flatten=True,
                          split=2, finish_tiles=16, finish_warps=8, finish_block_h=1024,
                          use=True, min_rows=0, db_rows=64, db_tiles=16, db_warps=8,
-                         overlap=True, stats_stages=4, fill_rows=1024, row_ref=False,
+                         overlap=True, stats_stages=4, fill_rows=1024, row_ref=True,
                          target_rows=16, row_ref_min_v=8192),
 }
 # Wide heads (H >= 2048): a 128x256 sweep tile and 128x128 products measured faster (H200,
@@ -75,7 +77,7 @@ GPU_WIDE = {
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
     # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
     "logits_tiles": {**GPU["logits_tiles"], "overlap": False,
-                     "stats_stages": 3, "row_ref": True},
+                     "stats_stages": 3},
 }
 # Under TRITON_INTERPRET=1 (CI on CPU): small tiles, several splits, so every masking and merge
 # path runs on small shapes.

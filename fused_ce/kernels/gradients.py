@@ -10,7 +10,10 @@ The products run in cuBLAS (bf16, fp32: ``library_products``) or in matmul.py's 
 (fp16). Workspace: D (<= config.D_BYTES) + the fp32 dX accumulator (4 N H bytes) + with cuBLAS
 the chunk's fp32 dW (<= D_BYTES) and, when rows are ignored, x's valid rows gathered (2 n H).
 
-Memory-minimal mode (five GEMM-equivalents): dX in row blocks whose fp32 accumulator is small,
+Memory-minimal mode: where every row is valid and dX's fp32 accumulator fits in dW's buffer
+with room to spare, one sweep for both products and a partial second one
+(_low_memory_one_sweep: 4.1-4.3 GEMM-equivalents at the wide heads). Otherwise (five
+GEMM-equivalents) dX in row blocks whose fp32 accumulator is small,
 each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
 for dW and db. Workspace: D and the gathered rows (<= config.D_BYTES_LOW_MEMORY) + the dX
 block's accumulator or (cuBLAS) the chunk's fp32 dW (<= DX_ACC_BYTES_LOW_MEMORY). When dW is
