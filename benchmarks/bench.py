@@ -78,7 +78,8 @@ ZIPF = ("llama3_zipf", "gemma2_zipf")
 EXTRA = ZIPF + ("qwen05b",)  # not in the default run (the shapes)
 CE_METHODS = ["fused_ce", "fused_ce_again", "fused_ce_stats", "fused_ce_fp32z",
               "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "fused_ce_sweep",
-              "fused_ce_lowmem", "fused_ce_lowmem_blocks", "fused_ce_sweep_triton",
+              "fused_ce_lowmem", "fused_ce_lowmem_one_sweep", "fused_ce_lowmem_blocks",
+              "fused_ce_sweep_triton",
               "fused_ce_lowmem_triton", "kernels", "eager", "compile", "fused_ce_graphs",
               "compile_graphs", "liger", "cce", "torch_lce", "floor"]
 # the methods run by torch.compile(mode="reduce-overhead"): CUDA-graph trees record the forward
@@ -127,8 +128,8 @@ def _logits(x, w, b, softcap=None):
 
 
 # the methods that take a softcap (SOFTCAP's shapes; training only)
-SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_blocks", "fused_ce_fp32z",
-                   "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "eager",
+SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_one_sweep",
+                   "fused_ce_lowmem_blocks", "fused_ce_fp32z", "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "eager",
                    "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
 
 
@@ -197,17 +198,20 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
             finally:
                 config.LOGITS_EPILOGUE = default
         return run_logits_variant
-    if name == "fused_ce_lowmem_blocks":  # low_memory by dX's row blocks, then the dW sweep
+    if name in ("fused_ce_lowmem_one_sweep", "fused_ce_lowmem_blocks"):
+        # low_memory in one sweep where it applies (kernels/gradients._low_memory_one_sweep), or
+        # by dX's row blocks and then the dW sweep, whatever the configuration says
         from fused_ce.kernels import config
         lce, _ = _fused_api()
 
-        def run_row_blocks():
-            config.LOW_MEMORY_ONE_SWEEP = False
+        def run_low_memory_variant():
+            default = config.LOW_MEMORY_ONE_SWEEP
+            config.LOW_MEMORY_ONE_SWEEP = name == "fused_ce_lowmem_one_sweep"
             try:
                 return lce(x, w, t, linear_bias=b, low_memory=True, softcap=softcap)
             finally:
-                config.LOW_MEMORY_ONE_SWEEP = True
-        return run_row_blocks
+                config.LOW_MEMORY_ONE_SWEEP = default
+        return run_low_memory_variant
     if name in ("fused_ce_rowref", "fused_ce_dpass"):
         # the epilogue path with E against one reference per row (kernels/row_ref.py) where it
         # applies, or with every tile's own max and the D pass, whatever the configuration says

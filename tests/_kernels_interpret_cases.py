@@ -409,6 +409,7 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
     smoothing and z-loss terms; the backward with one coefficient multiplied back. Against
     the fp64 oracle and against the row blocks' scheme (from the same D values)."""
     mod = _gradients_module()
+    monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", True)
     monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
     monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 37 * 32 * dtype.itemsize + 64)
@@ -456,12 +457,14 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["ok", "ignored", "count_unknown", "no_dx", "narrow_h",
-                                  "few_columns"])
+                                  "few_columns", "switched_off"])
 def test_one_sweep_layout_where_it_applies(case, monkeypatch):
-    """gradients._one_sweep_layout: every row valid with the count read, dX and dW asked for,
-    H at least the vocabulary tile, the first part at least half the columns."""
+    """gradients._one_sweep_layout: switched on (config.LOW_MEMORY_ONE_SWEEP), every row valid
+    with the count read, dX and dW asked for, H at least the vocabulary tile, the first part at
+    least half the columns."""
     from fused_ce.kernels.problem import Problem
     mod = _gradients_module()
+    monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", case != "switched_off")
     monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
     n, h, v = 37, 8 if case == "narrow_h" else 72, 120 if case == "few_columns" else 1000
     t = torch.randint(0, v, (n,))

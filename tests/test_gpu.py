@@ -154,6 +154,7 @@ def test_low_memory_one_sweep_vs_fp64(h, v, softcap, budget, monkeypatch):
     (the same D)."""
     import sys
     mod = sys.modules["fused_ce.kernels.gradients"]
+    monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", True)
     if budget:
         monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", budget)
     took = []

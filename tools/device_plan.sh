@@ -130,6 +130,6 @@ lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of 
       | tee "$OUT/tests_lowmem.log"
     ab() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=300 LARGE_SHAPES=${AB_SHAPES:-llama3,gemma2,qwen05b} \
       LARGE_METHODS=$2 bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/ab_lowmem$3.log"; }
-    ab 150 fused_ce_lowmem,fused_ce_lowmem_blocks,fused_ce,fused_ce_dpass,floor 1
-    ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem 2 ;;
+    ab 150 fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks,fused_ce,fused_ce_dpass,floor 1
+    ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem_one_sweep 2 ;;
 esac

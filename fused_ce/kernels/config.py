@@ -146,8 +146,10 @@ STATS_TILE_BYTES = 64 * 2**20
 LIBRARY_PRODUCTS = True
 LIBRARY_PRODUCTS_ON_CPU = False
 # low_memory's gradients in one sweep where every row is valid (gradients._low_memory_one_sweep:
-# dX's fp32 accumulator in dW's buffer), instead of dX's row blocks and then the dW sweep
-LOW_MEMORY_ONE_SWEEP = True
+# dX's fp32 accumulator in dW's buffer), instead of dX's row blocks and then the dW sweep.
+# Off until a device has timed it (NOTES.md #101; bench methods fused_ce_lowmem_one_sweep and
+# fused_ce_lowmem_blocks, `PART=lowmem bash tools/device_plan.sh`)
+LOW_MEMORY_ONE_SWEEP = False
 # The sweeps' logits kernels (logits.py) read a 16-bit W through a TMA tensor descriptor where
 # its rows are 16-byte aligned (else, and for fp32, through a pointer per element).
 W_DESCRIPTOR = True
