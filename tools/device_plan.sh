@@ -10,7 +10,7 @@
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
 # at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
 # (thirtieth). PART=rowref the row-reference option (thirty-fourth); PART=rowref_on with it on
-# for wide heads, PART=lowmem low_memory's one sweep (thirty-fifth).
+# for wide heads, PART=lowmem low_memory's one sweep, PART=next both (thirty-fifth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -122,6 +122,14 @@ rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references o
       *H200*) table; small; tests ;;
       *) tests; small; table ;;
     esac ;;
+next)  # the thirty-sixth session's first call (~400 s): on an H200 the wide heads' table with
+    # row references on, then PART=lowmem; on another card PART=lowmem alone
+    case "$gpu" in
+      *H200*) STEPS=large LARGE_TIMEOUT=170 REP_MS=400 LARGE_SHAPES=gemma2,llama3 \
+          LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh
+        cp "$OUT/large.log" "$OUT/table.log" ;;
+    esac
+    PART=lowmem bash tools/device_plan.sh ;;
 lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of low_memory
     # and the row references; low_memory in one sweep against the row blocks and row references
     # against the D pass, then a second round of the former
