@@ -129,8 +129,26 @@ def _logits(x, w, b, softcap=None):
 
 # the methods that take a softcap (SOFTCAP's shapes; training only)
 SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_one_sweep",
-                   "fused_ce_lowmem_blocks", "fused_ce_fp32z", "fused_ce_epilogue", "fused_ce_rowref", "fused_ce_dpass", "eager",
+                   "fused_ce_lowmem_blocks", "fused_ce_fp32z", "fused_ce_epilogue",
+                   "fused_ce_rowref", "fused_ce_dpass", "eager",
                    "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
+
+
+def _with_config(run, **switches):
+    """``run`` with fused_ce.kernels.config's module switches set to ``switches`` during each
+    call, restored after it: the variants below, one setting beside the default."""
+    from fused_ce.kernels import config
+
+    def variant():
+        saved = {key: getattr(config, key) for key in switches}
+        for key, value in switches.items():
+            setattr(config, key, value)
+        try:
+            return run()
+        finally:
+            for key, value in saved.items():
+                setattr(config, key, value)
+    return variant
 
 
 def method_fn(name, kind, x, w, b, t, softcap=None):
@@ -149,69 +167,28 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
     if name in ("fused_ce_sweep", "fused_ce_sweep_triton", "fused_ce_lowmem_triton"):
         # the vocabulary sweep (fp32's path, and what a captured step took before NOTES.md
         # #91), optionally with its Triton products
-        from fused_ce.kernels import config
         lce, _ = _fused_api()
         low = name == "fused_ce_lowmem_triton"
-
-        def run():
-            config.ROW_CHUNKS = False
-            config.LIBRARY_PRODUCTS = name == "fused_ce_sweep"
-            try:
-                return lce(x, w, t, linear_bias=b, low_memory=low)
-            finally:
-                config.ROW_CHUNKS = True
-                config.LIBRARY_PRODUCTS = True
-        return run
+        return _with_config(lambda: lce(x, w, t, linear_bias=b, low_memory=low),
+                            ROW_CHUNKS=False, LIBRARY_PRODUCTS=name == "fused_ce_sweep")
     if name == "fused_ce_rowstats":  # no gradients: the statistics by row_stats.py
-        from fused_ce.kernels import config
         lce, _ = _fused_api()
-
-        def run_row_stats():
-            default = config.STATS_EPILOGUE
-            config.STATS_EPILOGUE = False
-            try:
-                return lce(x, w, t, linear_bias=b)
-            finally:
-                config.STATS_EPILOGUE = default
-        return run_row_stats
+        return _with_config(lambda: lce(x, w, t, linear_bias=b), STATS_EPILOGUE=False)
     if name in ("fused_ce_fp32z", "fused_ce_epilogue"):
         # the row-chunk path with its logits by cuBLAS (fp32 Z) and finish_rows_kernel, or by
         # the Triton GEMM with the softmax epilogue (kernels/logits_tiles.py)
-        from fused_ce.kernels import config
         lce, lls = _fused_api()
+        epilogue = name == "fused_ce_epilogue"
         if kind == "logsoftmax":  # log_softmax's logits by the epilogue GEMM or cuBLAS fp32
-
-            def run_log_probs_variant():
-                default = config.LOG_PROBS_EPILOGUE
-                config.LOG_PROBS_EPILOGUE = name == "fused_ce_epilogue"
-                try:
-                    return lls(x, w, b)
-                finally:
-                    config.LOG_PROBS_EPILOGUE = default
-            return run_log_probs_variant
-
-        def run_logits_variant():
-            default = config.LOGITS_EPILOGUE
-            config.LOGITS_EPILOGUE = name == "fused_ce_epilogue"
-            try:
-                return lce(x, w, t, linear_bias=b, softcap=softcap)
-            finally:
-                config.LOGITS_EPILOGUE = default
-        return run_logits_variant
+            return _with_config(lambda: lls(x, w, b), LOG_PROBS_EPILOGUE=epilogue)
+        return _with_config(lambda: lce(x, w, t, linear_bias=b, softcap=softcap),
+                            LOGITS_EPILOGUE=epilogue)
     if name in ("fused_ce_lowmem_one_sweep", "fused_ce_lowmem_blocks"):
         # low_memory in one sweep where it applies (kernels/gradients._low_memory_one_sweep), or
         # by dX's row blocks and then the dW sweep, whatever the configuration says
-        from fused_ce.kernels import config
         lce, _ = _fused_api()
-
-        def run_low_memory_variant():
-            default = config.LOW_MEMORY_ONE_SWEEP
-            config.LOW_MEMORY_ONE_SWEEP = name == "fused_ce_lowmem_one_sweep"
-            try:
-                return lce(x, w, t, linear_bias=b, low_memory=True, softcap=softcap)
-            finally:
-                config.LOW_MEMORY_ONE_SWEEP = default
-        return run_low_memory_variant
+        return _with_config(lambda: lce(x, w, t, linear_bias=b, low_memory=True, softcap=softcap),
+                            LOW_MEMORY_ONE_SWEEP=name == "fused_ce_lowmem_one_sweep")
     if name in ("fused_ce_rowref", "fused_ce_dpass"):
         # the epilogue path with E against one reference per row (kernels/row_ref.py) where it
         # applies, or with every tile's own max and the D pass, whatever the configuration says

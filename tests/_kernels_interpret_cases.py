@@ -416,7 +416,7 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
     took = []
     real = mod._low_memory_one_sweep
     monkeypatch.setattr(mod, "_low_memory_one_sweep",
-                        lambda *a, **k: took.append(a[6]) or real(*a, **k))
+                        lambda *a, **k: took.append(a[5]) or real(*a, **k))
     g = _gen()
     x, w, b, t, cw = _inputs(37, 72, 1000, dtype, ignored=0.0, out_of_shard=False,
                              class_weight=True, g=g)
@@ -476,7 +476,7 @@ def test_one_sweep_layout_where_it_applies(case, monkeypatch):
         p.n_valid_host = int((t != IGNORE).sum())
     dx = None if case == "no_dx" else torch.empty(n, h, dtype=torch.bfloat16)
     dw = torch.empty(v, h, dtype=torch.bfloat16)
-    layout = mod._one_sweep_layout(p, n, dx, dw, 32)
+    layout = mod._one_sweep_layout(p, dx, dw, 32)
     if case == "ok":
         assert layout[0] == 920 and sum(layout[1]) >= 500
     else:

@@ -160,7 +160,7 @@ def test_low_memory_one_sweep_vs_fp64(h, v, softcap, budget, monkeypatch):
     took = []
     real = mod._low_memory_one_sweep
     monkeypatch.setattr(mod, "_low_memory_one_sweep",
-                        lambda *a, **k: took.append(a[6]) or real(*a, **k))
+                        lambda *a, **k: took.append(a[5]) or real(*a, **k))
     x, w, b, t = _inputs(1000, h, v, torch.bfloat16, ignored=0.0)
     b = (b.float() * 8).bfloat16()
     coefs = _mean_coefs(t, 1000)
@@ -235,11 +235,11 @@ def test_row_ref_vs_fp64(h, softcap, multi, rows, monkeypatch):
     rows, where D's target entry alpha (p_t - 1) is small and must not come from a difference
     of rounded numbers); "far": every third row's logits 30 times larger (tiles and rows past
     the 40-nat span take their own max and the whole D row); "zipf": targets as text's, drawn
-    with p_k ~ 1 / (k + 1) (the commonest a run of ~300 rows: dw_targets_kernel's loop). Loss and gradients against fp64
-    as the default path's (max(GRAD_TOL, 1.25 x eager bf16)); the lse and nll within 1e-6 and
-    2e-6 or 1.25 times the D pass's error on the same inputs (on confident rows the bf16
-    GEMM's fp32 accumulation of z_t, of size |x| |W_t|, sets it for both); two runs
-    identical."""
+    with p_k ~ 1 / (k + 1) (the commonest a run of ~300 rows: dw_targets_kernel's loop). Loss
+    and gradients against fp64 as the default path's (max(GRAD_TOL, 1.25 x eager bf16)); the
+    lse and nll within 1e-6 and 2e-6 or 1.25 times the D pass's error on the same inputs (on
+    confident rows the bf16 GEMM's fp32 accumulation of z_t, of size |x| |W_t|, sets it for
+    both); two runs identical."""
     from fused_ce.kernels import row_ref
 
     made = []

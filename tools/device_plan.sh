@@ -24,6 +24,10 @@ large() { STEPS=large LARGE_TIMEOUT=${1:-560} REP_MS=${2:-1000} \
     LARGE_SHAPES=llama3,gemma2,llama3_eval,gemma2_eval \
     LARGE_METHODS=fused_ce,fused_ce_lowmem,compile,liger,cce,floor bash tools/gpu_steps.sh; }
 tests() { STEPS=tests bash tools/gpu_steps.sh; }
+# the wide heads' bench step within $1 s, $2 ms of repetitions, shapes $3, methods $4, its log
+# kept as $5.log
+wide() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=$2 LARGE_SHAPES=$3 LARGE_METHODS=$4 \
+    bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/$5.log"; }
 # the H200's rows: BERT shapes within $1 s, with eager (7-14 ms a step); the wide heads $3
 # within $2 s, without eager (its logits take 12 GB). Without eager, Cut CE and the eval rows
 # of MLM and Gemma-2, PART=short took 124 s in the thirty-first session
@@ -95,14 +99,13 @@ rowref)  # ~550 s (thirty-fourth session): the row-reference option (NOTES.md #9
     # the tests and one A/B only
     HF_HUB_OFFLINE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "row_ref or captured" 2>&1 | grep -v Warn | tail -15 | tee "$OUT/tests_rowref.log"
-    wide() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=300 LARGE_SHAPES=$2 LARGE_METHODS=$3 \
-      bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/$4.log"; }
-    ab() { wide 150 "${AB_SHAPES:-gemma2,gemma2_zipf,llama3}" fused_ce_rowref,fused_ce_dpass ab$1; }
+    ab() { wide 150 300 "${AB_SHAPES:-gemma2,gemma2_zipf,llama3}" \
+      fused_ce_rowref,fused_ce_dpass ab$1; }
     ab 1
     [ -n "$SHORT" ] && exit 0
     timeout 80 python3 tools/probe_row_ref.py 2>&1 | grep -v Warn | tee "$OUT/probe_row_ref.log"
     case "$gpu" in
-      *H200*) wide 170 gemma2,llama3 fused_ce_rowref,fused_ce,compile,liger,floor peers ;;
+      *H200*) wide 170 300 gemma2,llama3 fused_ce_rowref,fused_ce,compile,liger,floor peers ;;
       *) ab 2 ;;
     esac
     PYTHONPATH=/tmp/site:. timeout 100 python3 tools/profile_kernels.py --shapes gemma2 \
@@ -110,14 +113,10 @@ rowref)  # ~550 s (thirty-fourth session): the row-reference option (NOTES.md #9
     grep -A9 "^===" "$OUT/profile.log" ;;
 rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references on for wide heads;
     # on an H200 the wide heads with their peers first (the issue's table), then the A/B at a
-    # small LM's head (the GPU configuration, where row_ref is still off), then all GPU tests;
-    # on another card the tests first
-    table() { STEPS=large LARGE_TIMEOUT=200 REP_MS=400 LARGE_SHAPES=gemma2,llama3 \
-      LARGE_METHODS=fused_ce,fused_ce_dpass,compile,liger,floor bash tools/gpu_steps.sh
-      cp "$OUT/large.log" "$OUT/table.log"; }
-    small() { STEPS=large LARGE_TIMEOUT=100 REP_MS=300 LARGE_SHAPES=qwen05b \
-      LARGE_METHODS=fused_ce_rowref,fused_ce_dpass,compile,liger,floor bash tools/gpu_steps.sh
-      cp "$OUT/large.log" "$OUT/small.log"; }
+    # small LM's head (the GPU configuration, where row_ref was still off then), then all GPU
+    # tests; on another card the tests first
+    table() { wide 200 400 gemma2,llama3 fused_ce,fused_ce_dpass,compile,liger,floor table; }
+    small() { wide 100 300 qwen05b fused_ce_rowref,fused_ce_dpass,compile,liger,floor small; }
     case "$gpu" in
       *H200*) table; small; tests ;;
       *) tests; small; table ;;
@@ -125,9 +124,7 @@ rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references o
 next)  # the thirty-sixth session's first call (~400 s): on an H200 the wide heads' table with
     # row references on, then PART=lowmem; on another card PART=lowmem alone
     case "$gpu" in
-      *H200*) STEPS=large LARGE_TIMEOUT=170 REP_MS=400 LARGE_SHAPES=gemma2,llama3 \
-          LARGE_METHODS=fused_ce,compile,liger,floor bash tools/gpu_steps.sh
-        cp "$OUT/large.log" "$OUT/table.log" ;;
+      *H200*) wide 170 400 gemma2,llama3 fused_ce,compile,liger,floor table ;;
     esac
     PART=lowmem bash tools/device_plan.sh ;;
 lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of low_memory
@@ -136,8 +133,7 @@ lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of 
     HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       -k "low_memory or one_sweep or row_ref" 2>&1 | grep -v Warn | tail -5 \
       | tee "$OUT/tests_lowmem.log"
-    ab() { STEPS=large LARGE_TIMEOUT=$1 REP_MS=300 LARGE_SHAPES=${AB_SHAPES:-llama3,gemma2,qwen05b} \
-      LARGE_METHODS=$2 bash tools/gpu_steps.sh; cp "$OUT/large.log" "$OUT/ab_lowmem$3.log"; }
+    ab() { wide $1 300 "${AB_SHAPES:-llama3,gemma2,qwen05b}" $2 ab_lowmem$3; }
     ab 150 fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks,fused_ce,fused_ce_dpass,floor 1
     ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem_one_sweep 2 ;;
 esac

@@ -126,7 +126,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
            library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False,
            factor=None, v_start: int = 0):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows), over
-    the columns [v_start, V).
+    the columns [v_start, V) (from v_start > 0 without dX: its sum starts at column 0).
 
     ``library``: the products by cuBLAS, whose sizes are host numbers. With ``by_row`` (dW asked
     for, valid count unknown on the host) D's rows are the tokens' own rows, all N of them, so
@@ -211,16 +211,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         _grad_logits(p, lse, cf, scale, d, ldd, db_part, p0, rows, v0, width,
                      store_d=store_d, by_row=by_row)
         if library:
-            dc = d[:, :width]
-            if dw is not None:  # one product over every row: dW rounded once (if at all)
-                if dw32 is None:
-                    gemm_f32(dc.t(), x_rows, dw[v0:v0 + width])
-                    _times(dw[v0:v0 + width], factor)
-                else:
-                    gemm_f32(dc.t(), x_rows, dw32)
-                    _times(dw32, factor, out=dw[v0:v0 + width])
-            if dx is not None:
-                gemm_f32(dc, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+            _chunk_products(p, d[:, :width], x_rows, v0, dw=dw, dw32=dw32,
+                            acc=acc if dx is not None else None, factor=factor)
         else:
             _triton_products(p, d, ldd, prod_scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
@@ -232,6 +224,21 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             _times(acc, factor, out=None if acc_is_dx else dx[tokens])
         else:
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], _times(acc, factor).to(dx.dtype))
+
+
+def _chunk_products(p: Problem, d, x_rows, v0: int, *, dw, dw32, acc, factor):
+    """cuBLAS products of one column chunk's D (rows x width, from column v0): dW's rows
+    [v0, v0 + width) = D^T x_rows over every row at once, through the fp32 ``dw32`` where dW
+    is 16-bit, times ``factor`` and rounded once (if at all); D W[chunk] into the fp32 ``acc``,
+    added from the second chunk on (v0 > 0). Either is skipped where its output is None."""
+    width = d.shape[1]
+    if dw is not None:
+        if dw32 is None:
+            _times(gemm_f32(d.t(), x_rows, dw[v0:v0 + width]), factor)
+        else:
+            _times(gemm_f32(d.t(), x_rows, dw32), factor, out=dw[v0:v0 + width])
+    if acc is not None:
+        gemm_f32(d, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
 
 
 def _grad_logits(p: Problem, lse, cf, scale, d, ldd: int, db_part, p0: int, rows: int, v0: int,
@@ -353,7 +360,7 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
     return True, p.N, vc_all
 
 
-def _one_sweep_layout(p: Problem, n_rows: int, dx, dw, vc: int):
+def _one_sweep_layout(p: Problem, dx, dw, vc: int):
     """(columns of dX's fp32 accumulator's place in dW, the first part's chunk widths) of
     _low_memory_one_sweep, or None where it does not apply: cuBLAS products, dX and dW asked
     for, every row valid with the count read (the rows in order), dX's own buffer wide enough
@@ -362,19 +369,17 @@ def _one_sweep_layout(p: Problem, n_rows: int, dx, dw, vc: int):
     keep D and their fp32 dW in dW's rows between them and it, as wide as fit (_tail_widths,
     down to ``vc``, the dW sweep's own width)."""
     if (not config.LOW_MEMORY_ONE_SWEEP or dx is None or dw is None or not library_products(p)
-            or p.n_valid_host != p.N
-            or n_rows != p.N or p.H < p.cfg["logits"]["BLOCK_N"]):
+            or p.n_valid_host != p.N or p.H < p.cfg["logits"]["BLOCK_N"]):
         return None
     row_bytes = p.H * dw.element_size()
     v_acc = p.V
     if dx.dtype != torch.float32:  # (from a row that is a multiple of 8: 16-byte aligned)
-        v_acc = (p.V - triton.cdiv(n_rows * p.H * 4, row_bytes)) // 8 * 8
-    widths = _tail_widths(p, n_rows, vc, dw, dw.dtype != torch.float32, end=max(v_acc, 0))
+        v_acc = (p.V - triton.cdiv(p.N * p.H * 4, row_bytes)) // 8 * 8
+    widths = _tail_widths(p, p.N, vc, dw, dw.dtype != torch.float32, end=max(v_acc, 0))
     return (v_acc, widths) if 2 * sum(widths) >= p.V else None
 
 
-def _low_memory_one_sweep(p: Problem, lse, cf, scale, n_rows: int, vc: int, layout, *, dx, dw,
-                          db, factor):
+def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw, db, factor):
     """The memory-minimal gradients in four GEMM-equivalents and a fraction (counting the
     statistics pass) instead of five, where _one_sweep_layout allows: no buffer beyond dX's
     and dW's own, and db's chunk sums. dX = sum over column chunks of D W[chunk] needs an fp32
@@ -390,6 +395,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, n_rows: int, vc: int, layo
     in the row blocks' scheme: v1 is 0.72 V at Llama-3's head (16384 x 4096 x 128256), 0.92 V
     at Gemma-2's (8192 x 2304 x 256000); BERT's (V / N = 2-4) does not take it."""
     v_acc, widths = layout
+    n_rows = p.N  # (every row valid, in order)
     f32 = torch.float32
     acc = dx if dx.dtype == f32 else _carve(dw[v_acc:], [((n_rows, p.H), f32)])[0]
     with_dw32 = dw.dtype != f32
@@ -404,11 +410,8 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, n_rows: int, vc: int, layo
         d = got[0]
         db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
         _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width)
-        if with_dw32:
-            _times(gemm_f32(d.t(), p.x, got[1]), factor, out=dw[v0:v0 + width])
-        else:
-            _times(gemm_f32(d.t(), p.x, dw[v0:v0 + width]), factor)
-        gemm_f32(d, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+        _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=acc,
+                        factor=factor)
         if db is not None:
             torch.sum(db_part, 0, out=db[v0:v0 + width])
         v0 += width
@@ -421,10 +424,9 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, n_rows: int, vc: int, layo
         else:  # (n_rows x wb within dX's n_rows x H: wb <= H)
             wb = _fit(dx.numel(), n_rows, block_n, p.V - v1)
             d = _carve(dx, [((n_rows, wb), p.x.dtype)])[0]
-        ldd = wb
         for v0 in range(v1, p.V, wb):
             width = min(wb, p.V - v0)
-            _grad_logits(p, lse, cf, scale, d, ldd, None, 0, n_rows, v0, width)
+            _grad_logits(p, lse, cf, scale, d, wb, None, 0, n_rows, v0, width)
             gemm_f32(d[:, :width], p.weight[v0:v0 + width], acc, accumulate=True)
     _times(acc, factor, out=None if acc is dx else dx)
     if v1 < p.V:  # 3.
@@ -467,22 +469,22 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
         else:
             by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
             vc = ov.get("vc") or vc
-            layout = _one_sweep_layout(p, n_rows, dx, dw, vc)
+            layout = _one_sweep_layout(p, dx, dw, vc)
             if layout is not None:
-                _low_memory_one_sweep(p, lse, cf, scale, n_rows, vc, layout, dx=dx, dw=dw,
-                                      db=db32, factor=factor)
-                need_dx = need_dw = need_db = False  # (all done)
-            if need_dx:
-                scratch = dw  # (None without dW; else written whole by the dW sweep below)
-                rb, rvc = _low_memory_dx_blocks(
-                    p, n_rows, 0 if dw is None else dw.numel() * dw.element_size())
-                rb, rvc = ov.get("row_block") or rb, ov.get("row_vc") or rvc
-                for p0 in range(0, n_rows, rb):
-                    _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
-                           library=lib, scratch=scratch, factor=factor)
-            if need_dw or need_db:
-                _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
-                       by_row=by_row, dw_tail=dw is not None, factor=factor)
+                _low_memory_one_sweep(p, lse, cf, scale, vc, layout, dx=dx, dw=dw, db=db32,
+                                      factor=factor)
+            else:
+                if need_dx:
+                    scratch = dw  # (None without dW; else written whole by the dW sweep below)
+                    rb, rvc = _low_memory_dx_blocks(
+                        p, n_rows, 0 if dw is None else dw.numel() * dw.element_size())
+                    rb, rvc = ov.get("row_block") or rb, ov.get("row_vc") or rvc
+                    for p0 in range(0, n_rows, rb):
+                        _sweep(p, lse, cf, scale, p0, min(rb, n_rows - p0), rvc, dx=dx,
+                               library=lib, scratch=scratch, factor=factor)
+                if need_dw or need_db:
+                    _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
+                           by_row=by_row, dw_tail=dw is not None, factor=factor)
     else:
         if dw is not None:
             dw.zero_()
