@@ -135,5 +135,10 @@ lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of 
       | tee "$OUT/tests_lowmem.log"
     ab() { wide $1 300 "${AB_SHAPES:-llama3,gemma2,qwen05b}" $2 ab_lowmem$3; }
     ab 150 fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks,fused_ce,fused_ce_dpass,floor 1
-    ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem_one_sweep 2 ;;
+    ab 90 fused_ce_lowmem_blocks,fused_ce_lowmem_one_sweep 2
+    [ -n "$PROFILE" ] && PART=lowmem_profile bash tools/device_plan.sh ;;
+lowmem_profile)  # ~80 s: where low_memory's time goes at the wide heads, kernel by kernel
+    timeout 120 python3 tools/profile_kernels.py --shapes llama3,gemma2 \
+      --methods fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks 2>&1 | grep -v Warn \
+      | tee "$OUT/profile_lowmem.log" ;;
 esac
