@@ -38,6 +38,7 @@ GEMM alone). Peers that are not importable are reported as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -134,20 +135,29 @@ SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_one_sweep",
                    "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
 
 
+@contextlib.contextmanager
+def config_switches(switches):
+    """fused_ce.kernels.config's module switches set to ``switches`` inside, restored after."""
+    from fused_ce.kernels import config
+    saved = {key: getattr(config, key) for key in switches}
+    for key, value in switches.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
 def _with_config(run, **switches):
     """``run`` with fused_ce.kernels.config's module switches set to ``switches`` during each
-    call, restored after it: the variants below, one setting beside the default."""
-    from fused_ce.kernels import config
-
+    call: the variants below, one setting beside the default. The switches also go with the
+    function (``.switches``): forward_backward and errors keep them set through the backward
+    pass, where low_memory computes its gradients."""
     def variant():
-        saved = {key: getattr(config, key) for key in switches}
-        for key, value in switches.items():
-            setattr(config, key, value)
-        try:
+        with config_switches(switches):
             return run()
-        finally:
-            for key, value in saved.items():
-                setattr(config, key, value)
+    variant.switches = switches
     return variant
 
 
@@ -290,9 +300,10 @@ def forward_backward(name, kind, fn, params):
     def step():
         for p in params:
             p.grad = None
-        out = fn()
-        if kind == "ce" and name not in ("floor", "kernels"):
-            out.backward()
+        with config_switches(getattr(fn, "switches", {})):
+            out = fn()
+            if kind == "ce" and name not in ("floor", "kernels"):
+                out.backward()
         return out
     return step
 
@@ -335,7 +346,8 @@ def errors(name, kind, fn, params, ref):
         with torch.no_grad():
             out = fn()
         return {"loss": abs(out.item() - ref["loss"].item()) / abs(ref["loss"].item())}
-    out.backward()
+    with config_switches(getattr(fn, "switches", {})):
+        out.backward()
     e = {"loss": abs(out.item() - ref["loss"].item()) / abs(ref["loss"].item()),
          "dx": rel(x.grad, ref["dx"]), "dw": rel(w.grad, ref["dw"])}
     if b is not None and "db" in ref:

@@ -97,3 +97,34 @@ def test_cpu_peers_measures_one(monkeypatch, method):
     assert r["ms"] > 0 and r["peak_mib"] >= 0
     assert set(r["errors"]) == {"loss", "dx", "dw", "db"}
     assert all(0 <= e <= 1e-5 for e in r["errors"].values()), r["errors"]
+
+
+@pytest.mark.parametrize("method,want", [("fused_ce_lowmem_one_sweep", True),
+                                         ("fused_ce_lowmem_blocks", False)])
+def test_config_variants_hold_through_the_backward(method, want, monkeypatch):
+    """A config variant's switches stay set through the step's backward pass (low_memory
+    computes its gradients there), and are the default's again after the step."""
+    bench = _load("bench")
+    from fused_ce.kernels import config
+    default = config.LOW_MEMORY_ONE_SWEEP
+    seen = []
+
+    class Probe(torch.autograd.Function):  # records the switch in the forward and backward
+        @staticmethod
+        def forward(ctx, v):
+            seen.append(("forward", config.LOW_MEMORY_ONE_SWEEP))
+            return v.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", config.LOW_MEMORY_ONE_SWEEP))
+            return g
+
+    x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
+    fn = bench.method_fn(method, "ce", x, w, b, t)
+    probed = bench._with_config(lambda: Probe.apply(fn()), **fn.switches)
+    loss = bench.forward_backward(method, "ce", probed, [x, w, b])()
+    assert seen == [("forward", want), ("backward", want)]
+    assert config.LOW_MEMORY_ONE_SWEEP == default
+    torch.testing.assert_close(loss.double(), _loss64(x, w, b, t), rtol=1e-5, atol=1e-6)
+    assert x.grad is not None and w.grad is not None
