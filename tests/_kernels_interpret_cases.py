@@ -456,6 +456,59 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
             assert _rel(got, exp) <= 6e-3, (name, _rel(got, exp))
 
 
+@pytest.mark.parametrize("split,group_m", [(1, 0), (2, 3)])
+@pytest.mark.parametrize("rows", ["all_valid", "ignored_known", "ignored_unknown"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_grad_logits_orders_and_stores(split, group_m, rows, low_memory, monkeypatch):
+    """grad_logits_kernel in both program orders (launch order; groups of 3 row tiles) and
+    with its epilogue whole or on column halves, reading x and writing D through descriptors
+    where the rows allow (every row valid: x's own; the count read and cuBLAS products: the
+    gathered rows) and through pointers where not (D by the tokens' rows: count unknown):
+    the gradients of every sweep layout against fp64. N = 45 (three row tiles less one row),
+    H = 40 (past the K tile), V = 203, chunks of a few tiles, large biases."""
+    from fused_ce.kernels.problem import Problem
+    mod = _gradients_module()
+    monkeypatch.setitem(config.INTERPRETER, "grad_logits", dict(SPLIT=split, GROUP_M=group_m))
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+    monkeypatch.setattr(config, "CHUNK_OVERRIDE", {"vc": 64, "row_block": 16, "row_vc": 48})
+    launches = []
+    real = mod.grad_logits_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["X_DESC"], kw["D_DESC"], kw["D_BY_ROW"], kw["STORE_D"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "grad_logits_kernel", Recorded())
+    g = _gen()
+    x, w, b, t, _ = _inputs(45, 40, 203, torch.float32, ignored=0.0 if rows == "all_valid"
+                            else 0.4, out_of_shard=False, g=g)
+    b = b * 8
+    co = _coefs(45, g)
+    p = Problem(x, w, b, t, IGNORE, None, None)
+    if rows != "ignored_unknown":
+        p.n_valid_host = int((t != IGNORE).sum())
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None).lse
+    got = mod.gradients(p, lse.float(), co, need_dx=True, need_dw=True, need_db=True,
+                        low_memory=low_memory)
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
+                             GradCoefs(*(_d(c) for c in co)), need_dx=True, need_dw=True,
+                             need_db=True)
+    for name, a, e in zip(("dx", "dw", "db"), got, ref):
+        assert _rel(a, e) <= 1e-5, (name, _rel(a, e))
+    assert launches
+    for x_desc, d_desc, by_row, store_d in launches:
+        assert d_desc == (store_d and not by_row)
+        if rows == "all_valid":
+            assert x_desc
+    if rows == "ignored_known":  # (the dW sweep's products take the gathered rows)
+        assert any(x_desc for x_desc, *_ in launches)
+    if rows == "ignored_unknown":
+        assert not any(x_desc for x_desc, *_ in launches)
+
+
 @pytest.mark.parametrize("case", ["ok", "ignored", "count_unknown", "no_dx", "narrow_h",
                                   "few_columns", "switched_off"])
 def test_one_sweep_layout_where_it_applies(case, monkeypatch):

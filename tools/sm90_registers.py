@@ -11,6 +11,7 @@ STACK (bytes of local memory per thread: the spills), the dynamic shared memory 
 catches code that the Triton interpreter (CI) runs but the compiler rejects (e.g. a jit function
 whose returns differ in type).
 """
+import itertools
 import os
 import re
 import subprocess
@@ -187,9 +188,24 @@ def sweep_cases(variants: bool):
             how = f"{dtype} W {'desc' if w_desc else 'ptrs'}" + " softcap cw H%BK" * flags
             yield (f"row_stats_kernel {name} {how}", row_stats.row_stats_kernel,
                    {**tiles, "WITH_WS": flags}, w, lg["num_warps"], lg["num_stages"], dtype)
-            yield (f"grad_logits_kernel {name} {how}", grad_logits.grad_logits_kernel,
-                   {**tiles, "STORE_D": True, "D_BY_ROW": flags, "NEED_DB": True}, w,
-                   lg["num_warps"], lg["num_stages"], dtype)
+            # grad_logits: x and D through descriptors (every row valid, or gathered: D in
+            # compacted order), or through pointers (D by the tokens' rows); the configured
+            # epilogue split, and split 1 beside it
+            gl = config.CONFIG[name]["grad_logits"]
+            splits = sorted({gl["SPLIT"], 1}, reverse=True) if dtype != "fp32" else [1]
+            for split, descs in itertools.product(splits, (True, False)):
+                types = dict(w)
+                x_desc = descs and dtype != "fp32"  # (as gradients._grad_logits launches it)
+                if x_desc:
+                    types["x_ptr"] = f"tensordesc<{dtype}[{lg['BLOCK_M']}, {lg['BLOCK_K']}]>"
+                if descs:
+                    types["d_ptr"] = (f"tensordesc<{dtype}[{lg['BLOCK_M']}, "
+                                      f"{lg['BLOCK_N'] // split}]>")
+                yield (f"grad_logits_kernel {name} {how} split {split}"
+                       + (" x,D desc" if descs else " x,D ptrs"), grad_logits.grad_logits_kernel,
+                       {**tiles, "STORE_D": True, "D_BY_ROW": not descs, "NEED_DB": True, **gl,
+                        "SPLIT": split, "X_DESC": x_desc, "D_DESC": descs}, types,
+                       lg["num_warps"], lg["num_stages"], dtype)
             consts = {k: v for k, v in tiles.items() if k not in ("HAS_SOFTCAP", "HAS_CW")}
             yield (f"log_probs_kernel {name} {how}", log_probs.log_probs_kernel, consts, w,
                    lg["num_warps"], lg["num_stages"], dtype)

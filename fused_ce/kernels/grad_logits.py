@@ -23,6 +23,62 @@ from fused_ce.kernels.row_loss import grad_coefs, smoothing
 
 
 @triton.jit
+def tile_order(n_m, n_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program in a (n_m x n_n) grid launched as (n_m, n_n).
+    GROUP_M = 0: as launched (the row tiles of one column tile next to each other). Else the
+    programs, in launch order, take groups of GROUP_M row tiles across all column tiles, row
+    tiles fastest: the programs running at once then share GROUP_M row tiles of x and a few
+    column tiles of W that L2 holds, instead of streaming all of x's rows per column tile
+    (128 MiB of x per column tile at 16384 x 4096)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUP_M > 0:
+        linear = pid_m + pid_n * n_m
+        per_group = GROUP_M * n_n
+        first = linear // per_group * GROUP_M
+        size = tl.minimum(n_m - first, GROUP_M)
+        pid_m = first + linear % per_group % size
+        pid_n = linear % per_group // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _store_dz(z, rows, row_mask, offs_p, in_block, p0, col0, v0, vc, V, lse, alpha, c_tgt,
+              c_smooth, tgt, softcap, cw_ptr, scale_ptr, d_ptr, ldd, db_ptr, pid_m,
+              HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, STORE_D: tl.constexpr,
+              D_BY_ROW: tl.constexpr, NEED_DB: tl.constexpr, D_DESC: tl.constexpr,
+              WIDTH: tl.constexpr):
+    """dz of the logits ``z`` (the tile's rows x the WIDTH chunk columns from ``col0``, module
+    doc) into D and db_part; D_DESC: ``d_ptr`` is D's descriptor (block BLOCK_M x WIDTH)."""
+    offs_j = col0 + tl.arange(0, WIDTH)
+    cols = v0 + offs_j
+    in_chunk = offs_j < vc
+    col_mask = in_chunk & (cols < V)
+    dz = alpha[:, None] * tl.exp(z - lse[:, None])
+    dz -= tl.where(cols[None, :] == tgt[:, None], c_tgt[:, None], 0.0)
+    dz -= smoothing(cols[None, :], col_mask[None, :], c_smooth[:, None], cw_ptr, HAS_CW)
+    if HAS_SOFTCAP:
+        dz *= cap_derivative(z, softcap)
+    dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
+
+    if STORE_D:
+        scaled = dz * tl.load(scale_ptr)
+        if D_DESC:  # (rows past the block and columns past the chunk are not stored)
+            d_ptr.store([pid_m * z.shape[0], col0], scaled.to(d_ptr.dtype))
+        elif D_BY_ROW:
+            # D's row is the token's own row (the rows never written stay as allocated: zero)
+            d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * ldd + offs_j[None, :]
+            tl.store(d_ptrs, scaled.to(d_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & in_chunk[None, :])
+        else:
+            d_ptrs = d_ptr + (offs_p - p0).to(tl.int64)[:, None] * ldd + offs_j[None, :]
+            tl.store(d_ptrs, scaled.to(d_ptr.dtype.element_ty),
+                     mask=in_block[:, None] & in_chunk[None, :])
+    if NEED_DB:
+        tl.store(db_ptr + pid_m.to(tl.int64) * ldd + offs_j, tl.sum(dz, 0), mask=in_chunk)
+
+
+@triton.jit
 def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, n_valid_ptr,
                        lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr,
                        d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
@@ -30,9 +86,18 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
                        STORE_D: tl.constexpr, D_BY_ROW: tl.constexpr, NEED_DB: tl.constexpr,
                        UPCAST: tl.constexpr,
                        IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr = 1, GROUP_M: tl.constexpr = 0,
+                       X_DESC: tl.constexpr = False, D_DESC: tl.constexpr = False):
+    """Program (row tile, column tile) of the grid (cdiv(rows_in_block, BLOCK_M),
+    cdiv(vc, BLOCK_N)), in tile_order's GROUP_M order; SPLIT = 2: the epilogue on the two
+    column halves of the tile in turn. X_DESC: ``x_ptr`` is the descriptor (block BLOCK_M x
+    BLOCK_K) of the block's rows of x in compacted order, position p0 its row 0 (x's own rows
+    where every row is valid, else x's valid rows gathered). D_DESC (not D_BY_ROW): ``d_ptr`` is
+    D's descriptor (shape rows_in_block x vc, block BLOCK_M x BLOCK_N / SPLIT). Without the
+    pointers of x's and D's tiles in registers the 128 x 256 tile's halves do not spill (sm_90,
+    Triton 3.6: 768 bytes a thread with them)."""
+    pid_m, pid_n = tile_order(tl.cdiv(rows_in_block, BLOCK_M), tl.cdiv(vc, BLOCK_N), GROUP_M)
     n_valid = tl.load(n_valid_ptr)
     p_start = p0 + pid_m * BLOCK_M
     if p_start >= n_valid:
@@ -43,34 +108,29 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
     rows = tl.load(row_idx_ptr + offs_p, mask=row_mask, other=0)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = v0 + offs_j
-    in_chunk = offs_j < vc
-    col_mask = in_chunk & (cols < V)
+    col_mask = (offs_j < vc) & (cols < V)
 
     z = logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, v0 + pid_n * BLOCK_N, cols,
                     col_mask, H, softcap, HAS_BIAS, HAS_SOFTCAP, UPCAST, IEEE, EVEN_K, W_DESC,
-                    BLOCK_M, BLOCK_N, BLOCK_K)
+                    BLOCK_M, BLOCK_N, BLOCK_K, X_DESC, p_start - p0)
 
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     # (masked rows read row 0's coefficients: their dz is zeroed below)
     alpha, c_tgt, c_smooth = grad_coefs(rows, lse, c_tgt_ptr, c_smooth_ptr, c_prob_ptr,
                                         c_lse_sq_ptr)
     tgt = tl.load(target_ptr + rows, mask=row_mask, other=-1)
-
-    dz = alpha[:, None] * tl.exp(z - lse[:, None])
-    dz -= tl.where(cols[None, :] == tgt[:, None], c_tgt[:, None], 0.0)
-    dz -= smoothing(cols[None, :], col_mask[None, :], c_smooth[:, None], cw_ptr, HAS_CW)
-    if HAS_SOFTCAP:
-        dz *= cap_derivative(z, softcap)
-    dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
-
-    if STORE_D:
-        if D_BY_ROW:
-            # D's row is the token's own row (the rows never written stay as allocated: zero)
-            d_ptrs = d_ptr + rows.to(tl.int64)[:, None] * ldd + offs_j[None, :]
-            d_mask = row_mask[:, None] & in_chunk[None, :]
-        else:
-            d_ptrs = d_ptr + (offs_p - p0).to(tl.int64)[:, None] * ldd + offs_j[None, :]
-            d_mask = in_block[:, None] & in_chunk[None, :]
-        tl.store(d_ptrs, (dz * tl.load(scale_ptr)).to(d_ptr.dtype.element_ty), mask=d_mask)
-    if NEED_DB:
-        tl.store(db_ptr + pid_m.to(tl.int64) * ldd + offs_j, tl.sum(dz, 0), mask=in_chunk)
+    # A 128 x 256 fp32 tile is 128 of a thread's 255 registers at 8 warps: with the epilogue's
+    # full-width temporaries beside it the kernel spills, so SPLIT = 2 takes its halves in turn.
+    if SPLIT == 1:
+        _store_dz(z, rows, row_mask, offs_p, in_block, p0, pid_n * BLOCK_N, v0, vc, V, lse,
+                  alpha, c_tgt, c_smooth, tgt, softcap, cw_ptr, scale_ptr, d_ptr, ldd, db_ptr,
+                  pid_m, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, D_DESC, BLOCK_N)
+    else:
+        z0, z1 = tl.split(tl.permute(tl.reshape(z, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _store_dz(z0, rows, row_mask, offs_p, in_block, p0, pid_n * BLOCK_N, v0, vc, V, lse,
+                  alpha, c_tgt, c_smooth, tgt, softcap, cw_ptr, scale_ptr, d_ptr, ldd, db_ptr,
+                  pid_m, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, D_DESC, BLOCK_N // 2)
+        _store_dz(z1, rows, row_mask, offs_p, in_block, p0, pid_n * BLOCK_N + BLOCK_N // 2, v0,
+                  vc, V, lse, alpha, c_tgt, c_smooth, tgt, softcap, cw_ptr, scale_ptr, d_ptr,
+                  ldd, db_ptr, pid_m, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, D_DESC,
+                  BLOCK_N // 2)

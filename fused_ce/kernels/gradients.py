@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
 from fused_ce.kernels.grad_logits import grad_logits_kernel
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
-from fused_ce.kernels.problem import Problem
+from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_chunks import gemm_f32
 from fused_ce.reference import GradCoefs
 
@@ -163,6 +164,10 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     # chunk's product directly)
     if library and dw is not None:
         x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
+    # x's rows in the compacted positions' order for the logits kernel: the gathered ones, or x's
+    # own where every row is valid
+    x_compact = (p.x[p0:p0 + rows] if p.n_valid_host == p.N
+                 else None if by_row else x_rows)
     tail = dw_tail and dw is not None and dx is None
     widths = _tail_widths(p, d_rows, vc, dw, with_dw32, v_start) if tail else []
     vc_max = max([vc, *widths])
@@ -209,7 +214,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             if not all_written:
                 db_part.zero_()
         _grad_logits(p, lse, cf, scale, d, ldd, db_part, p0, rows, v0, width,
-                     store_d=store_d, by_row=by_row)
+                     store_d=store_d, by_row=by_row, x_rows=x_compact)
         if library:
             _chunk_products(p, d[:, :width], x_rows, v0, dw=dw, dw32=dw32,
                             acc=acc if dx is not None else None, factor=factor)
@@ -242,17 +247,33 @@ def _chunk_products(p: Problem, d, x_rows, v0: int, *, dw, dw32, acc, factor):
 
 
 def _grad_logits(p: Problem, lse, cf, scale, d, ldd: int, db_part, p0: int, rows: int, v0: int,
-                 width: int, *, store_d: bool = True, by_row: bool = False):
+                 width: int, *, store_d: bool = True, by_row: bool = False, x_rows=None):
     """D = dz * scale for the compacted rows [p0, p0 + rows) and the columns [v0, v0 + width)
     into ``d`` (row stride ``ldd``; with ``by_row`` its rows are the tokens' own), and with
-    ``db_part`` db's partial sums per row tile (grad_logits.py)."""
-    lg = p.cfg["logits"]
+    ``db_part`` db's partial sums per row tile (grad_logits.py). ``x_rows``: x's rows of those
+    positions in their order, contiguous (x's own where every row is valid, or gathered), or
+    None. The kernel reads them and writes D (not by_row) through TMA descriptors where
+    these allow (problem.descriptor_ok): without the tiles' pointers in registers, the wide
+    heads' 128 x 256 tile does not spill."""
+    lg, gl = p.cfg["logits"], p.cfg["grad_logits"]
+    # fp32's exact dot (on the FMA units) keeps x's pointers, as it keeps W's (problem.Problem's
+    # W_DESC), and the whole tile's epilogue: its descriptor and halves spilled more (sm_90)
+    fp32 = p.x.dtype == torch.float32 and not config.interpreting()
+    if fp32:
+        gl = dict(gl, SPLIT=1)
+    x_desc = x_rows is not None and descriptor_ok(x_rows) and not fp32
+    d_desc = store_d and not by_row and d.data_ptr() % 16 == 0 and ldd * d.element_size() % 16 == 0
+    x_src = (TensorDescriptor.from_tensor(x_rows, [lg["BLOCK_M"], lg["BLOCK_K"]]) if x_desc
+             else p.x)
+    d_dst = (TensorDescriptor(d, [rows, width], [ldd, 1], [lg["BLOCK_M"],
+                                                           lg["BLOCK_N"] // gl["SPLIT"]])
+             if d_desc else d)
     grad_logits_kernel[(triton.cdiv(rows, lg["BLOCK_M"]), triton.cdiv(width, lg["BLOCK_N"]))](
-        p.x, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
-        lse, *cf, scale, d, ldd, db_part if db_part is not None else d,
+        x_src, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
+        lse, *cf, scale, d_dst, ldd, db_part if db_part is not None else d,
         p0, rows, v0, width, p.V, p.H, p.softcap_arg,
         HAS_CW=p.class_weight is not None, STORE_D=store_d, D_BY_ROW=by_row,
-        NEED_DB=db_part is not None, **p.flags, **lg)
+        NEED_DB=db_part is not None, X_DESC=x_desc, D_DESC=d_desc, **p.flags, **lg, **gl)
 
 
 def _times(t, factor, out=None):
@@ -409,7 +430,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
                      [((width, p.H), f32)] * with_dw32)
         d = got[0]
         db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
-        _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width)
+        _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width, x_rows=p.x)
         _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=acc,
                         factor=factor)
         if db is not None:
@@ -426,7 +447,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
             d = _carve(dx, [((n_rows, wb), p.x.dtype)])[0]
         for v0 in range(v1, p.V, wb):
             width = min(wb, p.V - v0)
-            _grad_logits(p, lse, cf, scale, d, wb, None, 0, n_rows, v0, width)
+            _grad_logits(p, lse, cf, scale, d, wb, None, 0, n_rows, v0, width, x_rows=p.x)
             gemm_f32(d[:, :width], p.weight[v0:v0 + width], acc, accumulate=True)
     _times(acc, factor, out=None if acc is dx else dx)
     if v1 < p.V:  # 3.

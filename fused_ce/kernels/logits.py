@@ -43,24 +43,31 @@ def cap_derivative(z, softcap):
 def logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, col0, cols, col_mask, H, softcap,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
                 IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                X_DESC: tl.constexpr = False, row0=0):
     """fp32 logits of rows ``rows`` (original row ids, BLOCK_M) and columns ``cols`` =
     ``col0 + arange(BLOCK_N)``. Masked rows/columns read zeros. ``w_src``: W's tensor
     descriptor (W_DESC; block [BLOCK_N, BLOCK_K], it reads zeros past V and H) or a pointer to
     W. The descriptor keeps W's tile out of the registers (a pointer per element of a 64 x 256
     operand tile takes 128 of a thread's 255 registers at 8 warps, and the epilogue then
-    spills) and lets the compiler pipeline the K loop (NOTES.md #40). Offsets are int64:
-    rows * H and cols * H exceed 2**31."""
+    spills) and lets the compiler pipeline the K loop (NOTES.md #40). ``x_ptr`` likewise: with
+    X_DESC x's descriptor (block [BLOCK_M, BLOCK_K]) read at the rows ``row0 + arange(BLOCK_M)``
+    (consecutive; masked rows are read as they are: their logits go unused), instead of
+    BLOCK_M x BLOCK_K pointers in registers. Offsets are int64: rows * H and cols * H exceed
+    2**31."""
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * H + offs_k[None, :]
+    if not X_DESC:
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * H + offs_k[None, :]
     if not W_DESC:
         w_ptrs = w_src + cols.to(tl.int64)[None, :] * H + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
+        kk = k * BLOCK_K + offs_k
+        if X_DESC:
+            a = x_ptr.load([row0, k * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
-            kk = k * BLOCK_K + offs_k
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (kk[None, :] < H), other=0.0)
         if W_DESC:
             b = w_src.load([col0, k * BLOCK_K]).T
@@ -69,7 +76,8 @@ def logits_tile(x_ptr, w_src, bias_ptr, rows, row_mask, col0, cols, col_mask, H,
         else:
             b = tl.load(w_ptrs, mask=col_mask[None, :] & (kk[:, None] < H), other=0.0)
         acc = mma(a, b, acc, UPCAST, IEEE)
-        x_ptrs += BLOCK_K
+        if not X_DESC:
+            x_ptrs += BLOCK_K
         if not W_DESC:
             w_ptrs += BLOCK_K
     # The bias is added once, after the whole K reduction (not per K block).
