@@ -456,19 +456,24 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
             assert _rel(got, exp) <= 6e-3, (name, _rel(got, exp))
 
 
-@pytest.mark.parametrize("split,group_m", [(1, 0), (2, 3)])
+@pytest.mark.parametrize("split,group_m,persistent", [(1, 0, False), (2, 3, False),
+                                                    (1, 0, True), (2, 3, True)])
 @pytest.mark.parametrize("rows", ["all_valid", "ignored_known", "ignored_unknown"])
 @pytest.mark.parametrize("low_memory", [False, True])
-def test_grad_logits_orders_and_stores(split, group_m, rows, low_memory, monkeypatch):
-    """grad_logits_kernel in both program orders (launch order; groups of 3 row tiles) and
-    with its epilogue whole or on column halves, reading x and writing D through descriptors
+def test_grad_logits_orders_and_stores(split, group_m, persistent, rows, low_memory,
+                                       monkeypatch):
+    """grad_logits_kernel in both tile orders (every row tile of a column tile in turn; groups
+    of 3 row tiles), one program per tile or 2 programs taking them in turn, with its epilogue
+    whole or on column halves, reading x and writing D through descriptors
     where the rows allow (every row valid: x's own; the count read and cuBLAS products: the
     gathered rows) and through pointers where not (D by the tokens' rows: count unknown):
     the gradients of every sweep layout against fp64. N = 45 (three row tiles less one row),
     H = 40 (past the K tile), V = 203, chunks of a few tiles, large biases."""
     from fused_ce.kernels.problem import Problem
     mod = _gradients_module()
-    monkeypatch.setitem(config.INTERPRETER, "grad_logits", dict(SPLIT=split, GROUP_M=group_m))
+    monkeypatch.setitem(config.INTERPRETER, "grad_logits",
+                        dict(SPLIT=split, GROUP_M=group_m, PERSISTENT=persistent, FLATTEN=False,
+                             programs=2))
     monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
     monkeypatch.setattr(config, "CHUNK_OVERRIDE", {"vc": 64, "row_block": 16, "row_vc": 48})
     launches = []

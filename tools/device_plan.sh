@@ -141,16 +141,18 @@ gradlogits_tests)  # ~200 s (thirty-sixth session): the GPU tests with grad_logi
     # halves and grouped order (the sweeps: low_memory, capture)
     HF_HUB_OFFLINE=1 timeout 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
       | grep -v Warn | tail -8 | tee "$OUT/tests_gradlogits.log" ;;
-gradlogits_ab)  # ~300 s: low_memory by the row blocks (its default) in the tree before (ab_old: make
-    # it with mkdir ab_old && git archive b831194 | tar -x -C ab_old) and this one, and the one
-    # sweep in this one (before, bench held its switch in the forward only), new old new
-    for v in new old new; do d=.; m=fused_ce_lowmem_one_sweep,fused_ce_lowmem
-      [ $v = old ] && d=ab_old && m=fused_ce_lowmem; echo "== $v"
-      timeout 95 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
+gradlogits_ab)  # ~300 s: low_memory by the row blocks (its default) and in one sweep, in this tree
+    # and ab_prev (d5099e2: grad_logits one tile a program), and the row blocks in ab_old
+    # (b831194: grad_logits before its descriptors; mkdir ab_old && git archive b831194 | tar
+    # -x -C ab_old), new prev old new
+    for v in new prev old new; do d=.; m=fused_ce_lowmem_one_sweep,fused_ce_lowmem
+      [ $v != new ] && d=ab_$v; [ $v = old ] && m=fused_ce_lowmem; echo "== $v"
+      timeout 80 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
         --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
         | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
       | tee "$OUT/ab_gradlogits.log"
-    PART=lowmem_profile bash tools/device_plan.sh ;;
+    PROFILE_METHODS=fused_ce_lowmem_one_sweep,fused_ce_lowmem PART=lowmem_profile \
+      bash tools/device_plan.sh ;;
 lowmem_profile)  # ~80 s: where low_memory's time goes at the wide heads, kernel by kernel
     timeout 120 python3 tools/profile_kernels.py --shapes llama3,gemma2 \
       --methods ${PROFILE_METHODS:-fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks} 2>&1 \

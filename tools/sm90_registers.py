@@ -204,7 +204,8 @@ def sweep_cases(variants: bool):
                 yield (f"grad_logits_kernel {name} {how} split {split}"
                        + (" x,D desc" if descs else " x,D ptrs"), grad_logits.grad_logits_kernel,
                        {**tiles, "STORE_D": True, "D_BY_ROW": not descs, "NEED_DB": True, **gl,
-                        "SPLIT": split, "X_DESC": x_desc, "D_DESC": descs}, types,
+                        "SPLIT": split, "X_DESC": x_desc, "D_DESC": descs,
+                        "PERSISTENT": gl["PERSISTENT"] and descs and w_desc}, types,
                        lg["num_warps"], lg["num_stages"], dtype)
             consts = {k: v for k, v in tiles.items() if k not in ("HAS_SOFTCAP", "HAS_CW")}
             yield (f"log_probs_kernel {name} {how}", log_probs.log_probs_kernel, consts, w,

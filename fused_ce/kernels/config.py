@@ -12,10 +12,11 @@ GPU = {
     "logits": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     "gemm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     # grad_logits.py's program order and epilogue (the sweeps' logits gradient): GROUP_M row
-    # tiles per group of programs (0: the launch order, every row tile of one column tile in
-    # turn), SPLIT column parts of the epilogue. The 128 x 128 tile does not spill (sm_90,
-    # Triton 3.6: 239 registers) and BERT's x (32 MiB at 16384 rows) stays in L2
-    "grad_logits": dict(SPLIT=1, GROUP_M=0),
+    # tiles per group of output tiles (0: every row tile of one column tile in turn), SPLIT
+    # column parts of the epilogue, PERSISTENT: one program per multiprocessor taking the tiles
+    # in turn (its loop FLATTENed). The 128 x 128 tile does not spill (sm_90, Triton 3.6: 238
+    # registers) and BERT's x (32 MiB at 16384 rows) stays in L2
+    "grad_logits": dict(SPLIT=1, GROUP_M=0, PERSISTENT=False, FLATTEN=False),
     # programs per multiprocessor the statistics pass aims for (vocabulary splits fill the
     # machine when few rows are valid)
     "stats_programs_per_sm": 8,
@@ -82,7 +83,7 @@ GPU_WIDE = {
     # 3.6), none on its halves; and at 16384 rows x 4096 the launch order reads x's 128 MiB
     # from HBM once per column tile, in groups of 16 row tiles the programs running together
     # share 16 row tiles and ~8 column tiles (~32 MiB) in L2
-    "grad_logits": dict(SPLIT=2, GROUP_M=16),
+    "grad_logits": dict(SPLIT=2, GROUP_M=16, PERSISTENT=True, FLATTEN=True),
     # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
     # (no second stream: a second E is 1 GiB at Llama-3's head, and it was not measured there)
@@ -94,7 +95,7 @@ GPU_WIDE = {
 INTERPRETER = {
     "logits": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
     "gemm": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
-    "grad_logits": dict(SPLIT=2, GROUP_M=2),
+    "grad_logits": dict(SPLIT=2, GROUP_M=2, PERSISTENT=True, FLATTEN=False, programs=3),
     "stats_splits": 3,
     "row_finish": dict(BLOCK_V=32, num_warps=1, fill_rows=4),
     "scan": dict(BLOCK=16, PART_BLOCK=2, ONE_PROGRAM_ROWS=40, ONE_BLOCK=8, one_warps=1),

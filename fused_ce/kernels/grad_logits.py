@@ -23,22 +23,21 @@ from fused_ce.kernels.row_loss import grad_coefs, smoothing
 
 
 @triton.jit
-def tile_order(n_m, n_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of this program in a (n_m x n_n) grid launched as (n_m, n_n).
-    GROUP_M = 0: as launched (the row tiles of one column tile next to each other). Else the
-    programs, in launch order, take groups of GROUP_M row tiles across all column tiles, row
-    tiles fastest: the programs running at once then share GROUP_M row tiles of x and a few
-    column tiles of W that L2 holds, instead of streaming all of x's rows per column tile
-    (128 MiB of x per column tile at 16384 x 4096)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def tile_order(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile number ``tile`` of n_m x n_n. GROUP_M = 0: the row
+    tiles of one column tile next to each other. Else groups of GROUP_M row tiles across all
+    column tiles, row tiles fastest: the programs running at once then share GROUP_M row tiles
+    of x and a few column tiles of W that L2 holds, instead of streaming all of x's rows per
+    column tile (128 MiB of x per column tile at 16384 x 4096)."""
     if GROUP_M > 0:
-        linear = pid_m + pid_n * n_m
         per_group = GROUP_M * n_n
-        first = linear // per_group * GROUP_M
+        first = tile // per_group * GROUP_M
         size = tl.minimum(n_m - first, GROUP_M)
-        pid_m = first + linear % per_group % size
-        pid_n = linear % per_group // size
+        pid_m = first + tile % per_group % size
+        pid_n = tile % per_group // size
+    else:
+        pid_m = tile % n_m
+        pid_n = tile // n_m
     return pid_m, pid_n
 
 
@@ -88,20 +87,52 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
                        IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr = 1, GROUP_M: tl.constexpr = 0,
-                       X_DESC: tl.constexpr = False, D_DESC: tl.constexpr = False):
-    """Program (row tile, column tile) of the grid (cdiv(rows_in_block, BLOCK_M),
-    cdiv(vc, BLOCK_N)), in tile_order's GROUP_M order; SPLIT = 2: the epilogue on the two
-    column halves of the tile in turn. X_DESC: ``x_ptr`` is the descriptor (block BLOCK_M x
+                       X_DESC: tl.constexpr = False, D_DESC: tl.constexpr = False,
+                       PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False):
+    """The output tiles (row tile, column tile) of cdiv(rows_in_block, BLOCK_M) x
+    cdiv(vc, BLOCK_N), in tile_order's GROUP_M order: one per program of a grid of that
+    shape, or with PERSISTENT each program of a 1-D grid (one per multiprocessor) takes the
+    tiles in turn, its loop FLATTENed (the next tile's loads issued during a tile's epilogue).
+    SPLIT = 2: the epilogue on the two column halves of the tile in turn. X_DESC: ``x_ptr`` is the descriptor (block BLOCK_M x
     BLOCK_K) of the block's rows of x in compacted order, position p0 its row 0 (x's own rows
     where every row is valid, else x's valid rows gathered). D_DESC (not D_BY_ROW): ``d_ptr`` is
     D's descriptor (shape rows_in_block x vc, block BLOCK_M x BLOCK_N / SPLIT). Without the
     pointers of x's and D's tiles in registers the 128 x 256 tile's halves do not spill (sm_90,
     Triton 3.6: 768 bytes a thread with them)."""
-    pid_m, pid_n = tile_order(tl.cdiv(rows_in_block, BLOCK_M), tl.cdiv(vc, BLOCK_N), GROUP_M)
     n_valid = tl.load(n_valid_ptr)
+    if PERSISTENT:  # (the row tiles past the valid count are not visited)
+        n_m = tl.cdiv(tl.minimum(rows_in_block, tl.maximum(n_valid - p0, 0)), BLOCK_M)
+        n_n = tl.cdiv(vc, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), n_m * n_n, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = tile_order(tile, n_m, n_n, GROUP_M)
+            _grad_tile(pid_m, pid_n, n_valid, x_ptr, w_src, bias_ptr, cw_ptr, target_ptr,
+                       row_idx_ptr, lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
+                       scale_ptr, d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
+                       HAS_BIAS, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, UPCAST, IEEE,
+                       EVEN_K, W_DESC, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, X_DESC, D_DESC)
+    else:
+        n_m = tl.num_programs(0)
+        pid_m, pid_n = tile_order(tl.program_id(0) + tl.program_id(1) * n_m, n_m,
+                                  tl.num_programs(1), GROUP_M)
+        if p0 + pid_m * BLOCK_M < n_valid:
+            _grad_tile(pid_m, pid_n, n_valid, x_ptr, w_src, bias_ptr, cw_ptr, target_ptr,
+                       row_idx_ptr, lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr,
+                       scale_ptr, d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
+                       HAS_BIAS, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, UPCAST, IEEE,
+                       EVEN_K, W_DESC, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, X_DESC, D_DESC)
+
+
+@triton.jit
+def _grad_tile(pid_m, pid_n, n_valid, x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr,
+               lse_ptr, c_tgt_ptr, c_smooth_ptr, c_prob_ptr, c_lse_sq_ptr, scale_ptr, d_ptr, ldd,
+               db_ptr, p0, rows_in_block, v0, vc, V, H, softcap, HAS_BIAS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, STORE_D: tl.constexpr,
+               D_BY_ROW: tl.constexpr, NEED_DB: tl.constexpr, UPCAST: tl.constexpr,
+               IEEE: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT: tl.constexpr, X_DESC: tl.constexpr, D_DESC: tl.constexpr):
+    """D and db_part of output tile (pid_m, pid_n), whose first row is below the valid count."""
     p_start = p0 + pid_m * BLOCK_M
-    if p_start >= n_valid:
-        return
     offs_p = p_start + tl.arange(0, BLOCK_M)
     in_block = offs_p < p0 + rows_in_block
     row_mask = in_block & (offs_p < n_valid)
