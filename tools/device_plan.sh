@@ -10,7 +10,9 @@
 # change's call: the GPU tests, an in-process A/B against ab_$AB_OLD, fused_ce's time and memory
 # at the BERT shapes and the MLM host stages (twenty-seventh). PART=graphs captured steps
 # (thirtieth). PART=rowref the row-reference option (thirty-fourth); PART=rowref_on with it on
-# for wide heads, PART=lowmem low_memory's one sweep, PART=next both (thirty-fifth).
+# for wide heads, PART=lowmem low_memory's one sweep (thirty-fifth); PART=gradlogits_tests,
+# PART=gradlogits_ab, PART=lowmem_profile the sweeps' logits kernel and the one sweep, PART=next
+# the next session's first call (thirty-sixth).
 # The card's name goes to device.txt: an H100's numbers compare methods within the call only.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -121,12 +123,15 @@ rowref_on)  # ~560 s (thirty-fifth session, NOTES.md #99-#100): row references o
       *H200*) table; small; tests ;;
       *) tests; small; table ;;
     esac ;;
-next)  # the thirty-sixth session's first call (~400 s): on an H200 the wide heads' table with
-    # row references on, then PART=lowmem; on another card PART=lowmem alone
+next)  # the thirty-seventh session's first call (~450 s): the wide heads' table with row
+    # references on (on an H200; elsewhere skipped), then low_memory's rows after NOTES.md
+    # #102/#103 with Liger and the floor beside it
     case "$gpu" in
       *H200*) wide 170 400 gemma2,llama3 fused_ce,compile,liger,floor table ;;
     esac
-    PART=lowmem bash tools/device_plan.sh ;;
+    wide 150 300 llama3,gemma2 fused_ce_lowmem,liger,floor lowmem_wide
+    STEPS=bench BENCH_TIMEOUT=100 BENCH_SHAPES=bert8k,mlm,bert16k \
+      BENCH_METHODS=fused_ce_lowmem,floor bash tools/gpu_steps.sh ;;
 lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of low_memory
     # and the row references; low_memory in one sweep against the row blocks and row references
     # against the D pass, then a second round of the former

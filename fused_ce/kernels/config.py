@@ -15,7 +15,9 @@ GPU = {
     # tiles per group of output tiles (0: every row tile of one column tile in turn), SPLIT
     # column parts of the epilogue, PERSISTENT: one program per multiprocessor taking the tiles
     # in turn (its loop FLATTENed). The 128 x 128 tile does not spill (sm_90, Triton 3.6: 238
-    # registers) and BERT's x (32 MiB at 16384 rows) stays in L2
+    # registers) and BERT's x (32 MiB at 16384 rows) stays in L2. (D and x through descriptors,
+    # gradients._grad_logits, took low_memory at BERT's heads from 10.6 to 8.3 ms at 8k tokens,
+    # 24.6 to 15.7 at 16k, 7.4 to 5.5 at MLM: H100, same call, NOTES.md #102)
     "grad_logits": dict(SPLIT=1, GROUP_M=0, PERSISTENT=False, FLATTEN=False),
     # programs per multiprocessor the statistics pass aims for (vocabulary splits fill the
     # machine when few rows are valid)
@@ -79,10 +81,12 @@ GPU_WIDE = {
     **GPU,
     "logits": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     "gemm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-    # the 128 x 256 tile's epilogue spilled 968 bytes per thread at full width (sm_90, Triton
-    # 3.6), none on its halves; and at 16384 rows x 4096 the launch order reads x's 128 MiB
-    # from HBM once per column tile, in groups of 16 row tiles the programs running together
-    # share 16 row tiles and ~8 column tiles (~32 MiB) in L2
+    # the 128 x 256 tile spilled 968 bytes a thread (sm_90, Triton 3.6), none with D through its
+    # descriptor and the epilogue on column halves; at 16384 rows x 4096 one row tile after
+    # another reads x's 128 MiB from HBM once per column tile, in groups of 16 row tiles the
+    # programs running together share 16 row tiles and ~8 column tiles (~32 MiB) in L2. H100,
+    # low_memory, same call (NOTES.md #102): Gemma-2 90.1 ms before these, 85.0 with them one
+    # tile a program, 79.6 / 78.1 persistent; Llama-3 143.3, 139.7, 127.8 / 127.4
     "grad_logits": dict(SPLIT=2, GROUP_M=16, PERSISTENT=True, FLATTEN=True),
     # the epilogue logits for wide heads: H100, same call: Gemma-2's head 51.2 vs 61.7 ms,
     # Llama-3's 90.2-93.6 vs 91.8-92.3 (NOTES.md #41)
@@ -159,9 +163,10 @@ LIBRARY_PRODUCTS = True
 LIBRARY_PRODUCTS_ON_CPU = False
 # low_memory's gradients in one sweep where every row is valid (gradients._low_memory_one_sweep:
 # dX's fp32 accumulator in dW's buffer), instead of dX's row blocks and then the dW sweep.
-# Off until a device has timed it (NOTES.md #101; bench methods fused_ce_lowmem_one_sweep and
-# fused_ce_lowmem_blocks, `PART=lowmem bash tools/device_plan.sh`)
-LOW_MEMORY_ONE_SWEEP = False
+# H100, same call, two rounds (NOTES.md #103; bench methods fused_ce_lowmem_one_sweep and
+# fused_ce_lowmem_blocks): Gemma-2's head 79.6 / 78.1 -> 65.1 / 66.0 ms, Llama-3's 127.8 /
+# 127.4 -> 120.0 / 118.5, the same memory and errors
+LOW_MEMORY_ONE_SWEEP = True
 # The sweeps' logits kernels (logits.py) read a 16-bit W through a TMA tensor descriptor where
 # its rows are 16-byte aligned (else, and for fp32, through a pointer per element).
 W_DESCRIPTOR = True

@@ -12,8 +12,8 @@ the chunk's fp32 dW (<= D_BYTES) and, when rows are ignored, x's valid rows gath
 
 Memory-minimal mode: where every row is valid and dX's fp32 accumulator fits in dW's buffer
 with room to spare, one sweep for both products and a partial second one
-(_low_memory_one_sweep: 4.1-4.3 GEMM-equivalents at the wide heads; behind
-config.LOW_MEMORY_ONE_SWEEP, off until a device has timed it). Otherwise (five
+(_low_memory_one_sweep: 4.1-4.3 GEMM-equivalents at the wide heads; config.LOW_MEMORY_ONE_SWEEP,
+NOTES.md #103: 8-17 % faster there on an H100). Otherwise (five
 GEMM-equivalents) dX in row blocks whose fp32 accumulator is small,
 each a sweep over vocabulary chunks; then a second sweep over vocabulary chunks, all valid rows,
 for dW and db. Workspace: D and the gathered rows (<= config.D_BYTES_LOW_MEMORY) + the dX
