@@ -93,12 +93,13 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
     cdiv(vc, BLOCK_N), in tile_order's GROUP_M order: one per program of a grid of that
     shape, or with PERSISTENT each program of a 1-D grid (one per multiprocessor) takes the
     tiles in turn, its loop FLATTENed (the next tile's loads issued during a tile's epilogue).
-    SPLIT = 2: the epilogue on the two column halves of the tile in turn. X_DESC: ``x_ptr`` is the descriptor (block BLOCK_M x
-    BLOCK_K) of the block's rows of x in compacted order, position p0 its row 0 (x's own rows
-    where every row is valid, else x's valid rows gathered). D_DESC (not D_BY_ROW): ``d_ptr`` is
-    D's descriptor (shape rows_in_block x vc, block BLOCK_M x BLOCK_N / SPLIT). Without the
-    pointers of x's and D's tiles in registers the 128 x 256 tile's halves do not spill (sm_90,
-    Triton 3.6: 768 bytes a thread with them)."""
+    SPLIT = 2: the epilogue on the two column halves of the tile in turn. X_DESC: ``x_ptr`` is
+    the descriptor (block BLOCK_M x BLOCK_K) of the block's rows of x in compacted order,
+    position p0 its row 0 (x's own rows where every row is valid, else x's valid rows
+    gathered). D_DESC (not D_BY_ROW): ``d_ptr`` is D's descriptor (shape rows_in_block x vc,
+    block BLOCK_M x BLOCK_N / SPLIT). Without the pointers of x's and D's tiles in registers
+    the 128 x 256 tile's halves do not spill (sm_90, Triton 3.6: 768 bytes a thread with
+    them)."""
     n_valid = tl.load(n_valid_ptr)
     if PERSISTENT:  # (the row tiles past the valid count are not visited)
         n_m = tl.cdiv(tl.minimum(rows_in_block, tl.maximum(n_valid - p0, 0)), BLOCK_M)
