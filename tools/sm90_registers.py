@@ -11,7 +11,6 @@ STACK (bytes of local memory per thread: the spills), the dynamic shared memory 
 catches code that the Triton interpreter (CI) runs but the compiler rejects (e.g. a jit function
 whose returns differ in type).
 """
-import itertools
 import os
 import re
 import subprocess
@@ -191,22 +190,25 @@ def sweep_cases(variants: bool):
             # grad_logits: x and D through descriptors (every row valid, or gathered: D in
             # compacted order), or through pointers (D by the tokens' rows); the configured
             # epilogue split, and split 1 beside it
-            gl = config.CONFIG[name]["grad_logits"]
-            splits = sorted({gl["SPLIT"], 1}, reverse=True) if dtype != "fp32" else [1]
-            for split, descs in itertools.product(splits, (True, False)):
-                types = dict(w)
+            for descs in (True, False):
+                opts = grad_logits.grad_logits_options(config.CONFIG[name]["grad_logits"],
+                                                       fp32=dtype == "fp32", d_desc=descs,
+                                                       w_desc=w_desc)
                 x_desc = descs and dtype != "fp32"  # (as gradients._grad_logits launches it)
-                if x_desc:
-                    types["x_ptr"] = f"tensordesc<{dtype}[{lg['BLOCK_M']}, {lg['BLOCK_K']}]>"
-                if descs:
-                    types["d_ptr"] = (f"tensordesc<{dtype}[{lg['BLOCK_M']}, "
-                                      f"{lg['BLOCK_N'] // split}]>")
-                yield (f"grad_logits_kernel {name} {how} split {split}"
-                       + (" x,D desc" if descs else " x,D ptrs"), grad_logits.grad_logits_kernel,
-                       {**tiles, "STORE_D": True, "D_BY_ROW": not descs, "NEED_DB": True, **gl,
-                        "SPLIT": split, "X_DESC": x_desc, "D_DESC": descs,
-                        "PERSISTENT": gl["PERSISTENT"] and descs and w_desc}, types,
-                       lg["num_warps"], lg["num_stages"], dtype)
+                for split in sorted({opts["SPLIT"], 1}, reverse=True):
+                    types = dict(w)
+                    if x_desc:
+                        types["x_ptr"] = (f"tensordesc<{dtype}[{lg['BLOCK_M']}, "
+                                          f"{lg['BLOCK_K']}]>")
+                    if descs:
+                        types["d_ptr"] = (f"tensordesc<{dtype}[{lg['BLOCK_M']}, "
+                                          f"{lg['BLOCK_N'] // split}]>")
+                    yield (f"grad_logits_kernel {name} {how} split {split}"
+                           + (" x,D desc" if descs else " x,D ptrs"),
+                           grad_logits.grad_logits_kernel,
+                           {**tiles, "STORE_D": True, "D_BY_ROW": not descs, "NEED_DB": True,
+                            **opts, "SPLIT": split, "X_DESC": x_desc, "D_DESC": descs}, types,
+                           lg["num_warps"], lg["num_stages"], dtype)
             consts = {k: v for k, v in tiles.items() if k not in ("HAS_SOFTCAP", "HAS_CW")}
             yield (f"log_probs_kernel {name} {how}", log_probs.log_probs_kernel, consts, w,
                    lg["num_warps"], lg["num_stages"], dtype)

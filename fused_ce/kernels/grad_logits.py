@@ -22,6 +22,20 @@ from fused_ce.kernels.logits import cap_derivative, logits_tile
 from fused_ce.kernels.row_loss import grad_coefs, smoothing
 
 
+def grad_logits_options(tile_cfg: dict, *, fp32: bool, d_desc: bool, w_desc: bool) -> dict:
+    """grad_logits_kernel's SPLIT, GROUP_M, PERSISTENT and FLATTEN for one launch: the tile
+    configuration's (``tile_cfg``: its "grad_logits"), except that fp32 (its exact dot on the
+    FMA units) takes the whole tile's epilogue, and the kernel is persistent only where D and W
+    go through descriptors: otherwise the halves, or the persistent loop, spilled more (sm_90,
+    Triton 3.6: with their pointers the loop 1.4-2.6 KB a thread at the wide tile, against
+    0.6 KB with one tile a program). tools/sm90_registers.py compiles what this gives."""
+    opts = {k: v for k, v in tile_cfg.items() if k != "programs"}  # ("programs": the grid's)
+    if fp32:
+        opts["SPLIT"] = 1
+    opts["PERSISTENT"] = opts["PERSISTENT"] and d_desc and w_desc
+    return opts
+
+
 @triton.jit
 def tile_order(tile, n_m, n_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of output tile number ``tile`` of n_m x n_n. GROUP_M = 0: the row
@@ -111,7 +125,7 @@ def grad_logits_kernel(x_ptr, w_src, bias_ptr, cw_ptr, target_ptr, row_idx_ptr, 
                        scale_ptr, d_ptr, ldd, db_ptr, p0, rows_in_block, v0, vc, V, H, softcap,
                        HAS_BIAS, HAS_SOFTCAP, HAS_CW, STORE_D, D_BY_ROW, NEED_DB, UPCAST, IEEE,
                        EVEN_K, W_DESC, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, X_DESC, D_DESC)
-    else:
+    else:  # (not the persistent loop run once: that compiled to other spills and shared memory)
         n_m = tl.num_programs(0)
         pid_m, pid_n = tile_order(tl.program_id(0) + tl.program_id(1) * n_m, n_m,
                                   tl.num_programs(1), GROUP_M)

@@ -30,7 +30,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fused_ce.kernels import config
-from fused_ce.kernels.grad_logits import grad_logits_kernel
+from fused_ce.kernels.grad_logits import grad_logits_kernel, grad_logits_options
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_chunks import gemm_f32
@@ -166,8 +166,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
     # x's rows in the compacted positions' order for the logits kernel: the gathered ones, or x's
     # own where every row is valid
-    x_compact = (p.x[p0:p0 + rows] if p.n_valid_host == p.N
-                 else None if by_row else x_rows)
+    x_compact = None if by_row else p.x[tokens] if in_order else x_rows
     tail = dw_tail and dw is not None and dx is None
     widths = _tail_widths(p, d_rows, vc, dw, with_dw32, v_start) if tail else []
     vc_max = max([vc, *widths])
@@ -255,24 +254,21 @@ def _grad_logits(p: Problem, lse, cf, scale, d, ldd: int, db_part, p0: int, rows
     None. The kernel reads them and writes D (not by_row) through TMA descriptors where
     these allow (problem.descriptor_ok): without the tiles' pointers in registers, the wide
     heads' 128 x 256 tile does not spill."""
-    lg, gl = p.cfg["logits"], p.cfg["grad_logits"]
-    # fp32's exact dot (on the FMA units) keeps x's pointers, as it keeps W's (problem.Problem's
-    # W_DESC), and the whole tile's epilogue: its descriptor and halves spilled more (sm_90)
+    lg = p.cfg["logits"]
+    # (fp32's exact dot, on the FMA units, keeps x's pointers, as it keeps W's: problem.Problem's
+    # W_DESC)
     fp32 = p.x.dtype == torch.float32 and not config.interpreting()
-    if fp32:
-        gl = dict(gl, SPLIT=1)
     x_desc = x_rows is not None and descriptor_ok(x_rows) and not fp32
     d_desc = store_d and not by_row and d.data_ptr() % 16 == 0 and ldd * d.element_size() % 16 == 0
+    gl = grad_logits_options(p.cfg["grad_logits"], fp32=fp32, d_desc=d_desc,
+                             w_desc=p.flags["W_DESC"])
     x_src = (TensorDescriptor.from_tensor(x_rows, [lg["BLOCK_M"], lg["BLOCK_K"]]) if x_desc
              else p.x)
     d_dst = (TensorDescriptor(d, [rows, width], [ldd, 1], [lg["BLOCK_M"],
                                                            lg["BLOCK_N"] // gl["SPLIT"]])
              if d_desc else d)
-    # (persistent only with D's and W's descriptors: with their pointers its loop spilled 1.4-2.6
-    # KB a thread at the wide tile, against 0.6 KB with one tile a program)
-    gl = dict(gl, PERSISTENT=gl["PERSISTENT"] and d_desc and p.flags["W_DESC"])
     tiles = (triton.cdiv(rows, lg["BLOCK_M"]), triton.cdiv(width, lg["BLOCK_N"]))
-    programs = gl.pop("programs", None) or config.sm_count(p.device)
+    programs = p.cfg["grad_logits"].get("programs") or config.sm_count(p.device)
     grid = (min(tiles[0] * tiles[1], programs),) if gl["PERSISTENT"] else tiles
     grad_logits_kernel[grid](
         x_src, p.w_src, p.bias_arg, p.cw_arg, p.target, p.row_idx, p.n_valid,
