@@ -1313,6 +1313,21 @@ def test_scaled_grads_round_once(sizes):
         assert (out is s) == inplace
 
 
+@pytest.mark.parametrize("n", [1, 16, 33])
+def test_scale_to_rounds_once(n):
+    """scale.scale_to (the sweeps' rounding of fp32 gradient chunks): bitwise the fp32 product
+    rounded once, into an fp16 destination and in place into the fp32 source; sizes around
+    the interpreter's 16-element block. (bf16 on the GPU: test_gpu.py)"""
+    from fused_ce.kernels.scale import scale_to
+    g = _gen()
+    src = torch.randn(n, 3, generator=g) * 100
+    k = torch.rand((), generator=g) + 0.1
+    out = torch.full((n, 3), float("nan"), dtype=torch.float16)
+    assert scale_to(src, out, k) is out and torch.equal(out, (src * k).half())
+    want = src * k
+    assert scale_to(src, src, k) is src and torch.equal(src, want)
+
+
 @pytest.mark.parametrize("n,n_valid,h", [(9, 4, 70), (1, 0, 3), (5, 5, 16), (13, 1, 33)])
 @pytest.mark.parametrize("k", [0.37, float("inf")])
 def test_scaled_grads_scatter_compact_dx(n, n_valid, h, k):

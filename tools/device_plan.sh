@@ -132,6 +132,31 @@ next)  # the thirty-seventh session's first call (~450 s): the wide heads' table
     wide 150 300 llama3,gemma2 fused_ce_lowmem,liger,floor lowmem_wide
     STEPS=bench BENCH_TIMEOUT=100 BENCH_SHAPES=bert8k,mlm,bert16k \
       BENCH_METHODS=fused_ce_lowmem,floor bash tools/gpu_steps.sh ;;
+s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an H200 the
+    # wide heads' table with their peers; the GPU tests of the sweeps' rounding (scale.scale_to,
+    # NOTES.md #104), then low_memory at the wide heads in this tree and ab_prev (beeebfd:
+    # mkdir ab_prev && git archive beeebfd fused_ce benchmarks/bench.py | tar -x -C ab_prev),
+    # new prev new prev, the floor in the first round
+    case "$gpu" in
+      *H200*) wide 170 400 gemma2,llama3 fused_ce,compile,liger,floor table ;;
+    esac
+    HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "scaled_grads or one_sweep or low_memory" 2>&1 | grep -v Warn | tail -4 \
+      | tee "$OUT/tests_s37.log"
+    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
+      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
+      timeout 85 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
+        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
+        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
+      | tee "$OUT/ab_s37.log" ;;
+gl_tune)  # ~200 s (thirty-seventh session): low_memory's kernels at the wide heads under
+    # grad_logits tile variants (tools/bench_tiles_config.py around tools/profile_kernels.py),
+    # GL_CFGS: JSON objects separated by ';'
+    IFS=';'; for c in ${GL_CFGS:-'{}'}; do unset IFS; echo "== $c"
+      timeout 90 python3 tools/bench_tiles_config.py "$c" tools/profile_kernels.py \
+        --shapes ${GL_SHAPES:-llama3,gemma2} --methods fused_ce_lowmem --rows 14 2>&1 \
+        | grep -E "^===|grad_logits|logits_tiles|scale_kernel|elementwise|badd|Error|error" \
+        | grep -v Warn; done | tee "$OUT/gl_tune.log"; unset IFS ;;
 lowmem)  # ~300 s (thirty-fifth session, NOTES.md #100, #101): the GPU tests of low_memory
     # and the row references; low_memory in one sweep against the row blocks and row references
     # against the D pass, then a second round of the former

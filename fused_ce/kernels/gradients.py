@@ -34,6 +34,7 @@ from fused_ce.kernels.grad_logits import grad_logits_kernel, grad_logits_options
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_chunks import gemm_f32
+from fused_ce.kernels.scale import scalable, scale_to
 from fused_ce.reference import GradCoefs
 
 
@@ -282,9 +283,16 @@ def _times(t, factor, out=None):
     """``t * factor`` (``factor`` a device scalar, or None for 1) into ``out``, rounded to its
     dtype, or into ``t`` in place. Returns the result."""
     if out is None:
-        return t if factor is None else t.mul_(factor)
-    if factor is None:
+        out = t
+        if factor is None:
+            return t
+    elif factor is None:
         return out.copy_(t)
+    # (Triton's interpreter casts fp32 to 16 bits by truncation, not to nearest: under it the
+    # kernel takes fp32 outputs only)
+    if (scalable([t], [out.dtype], factor) and out.is_contiguous() and out.device == t.device
+            and not (config.interpreting() and out.dtype != torch.float32)):
+        return scale_to(t, out, factor)
     return torch.mul(t, factor, out=out)
 
 
