@@ -389,8 +389,8 @@ def test_low_memory_dw_layout(budget, known, want, monkeypatch):
     t = torch.full((40,), IGNORE)
     t[[3, 11, 20, 39]] = torch.tensor([5, 0, 99, 7])
     p = Problem(torch.randn(40, 48), torch.randn(1000, 48), None, t, IGNORE, None, None)
-    assert _low_memory_dw_chunks(p, 4 if known else 40, known, True) == want
-    assert _low_memory_dw_chunks(p, 4, known, False)[:2] == (False, 4)  # Triton products
+    assert _low_memory_dw_chunks(p, 4 if known else 40, known, True, True) == want
+    assert _low_memory_dw_chunks(p, 4, known, False, False)[:2] == (False, 4)  # Triton products
 
 
 def _gradients_module():
@@ -454,6 +454,68 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
             # column chunks may round a rare element the other way)
             assert _rel(got, blocks[name]) <= 1e-3, name
             assert _rel(got, exp) <= 6e-3, (name, _rel(got, exp))
+
+
+@pytest.mark.parametrize("ignored", [0.0, 0.3])
+def test_dw_products_take_the_host_factor(ignored, monkeypatch):
+    """The sweeps' cuBLAS dW products with the factor read on the host (``factor_host``, which
+    kernels.backward reads with the valid count): dW's chunks written straight in bf16 by
+    row_chunks.gemm_into, the factor as the product's scalar, instead of through fp32 chunks
+    and a rounding pass; against the device-factor scheme and the fp64 oracle, every row
+    valid (the one sweep) and 30 % ignored (the row blocks). N 37, H 72, V 1000, factor 0.37
+    times the coefficients, large biases."""
+    from fused_ce.kernels.problem import Problem
+    mod = _gradients_module()
+    monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
+    monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 37 * 32 * 2 + 64)
+    direct = []
+    real = mod.gemm_into
+    monkeypatch.setattr(mod, "gemm_into", lambda a, b, out, alpha: direct.append(
+        (out.dtype, alpha)) or real(a, b, out, alpha=alpha))
+    g = _gen()
+    x, w, b, t, _ = _inputs(37, 72, 1000, torch.bfloat16, ignored=ignored, out_of_shard=False,
+                            g=g)
+    b = (b.float() * 8).bfloat16()
+    co = _coefs(37, g)
+    lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, None, None).lse
+    m = max(co.target.abs().max(), co.prob.abs().max()).reshape(1) * 0.37
+    unit = GradCoefs(*(c * 0.37 / m for c in co))
+
+    def run(host):
+        p = Problem(x, w, b, t, IGNORE, None, None)
+        p.n_valid_host = int((t != IGNORE).sum())
+        return mod.gradients(p, lse.float(), unit, need_dx=True, need_dw=True, need_db=True,
+                             low_memory=True, factor=m, factor_host=float(m) if host else None)
+
+    ours = run(True)
+    assert direct and all(d == (torch.bfloat16, float(m)) for d in direct)
+    n_direct = len(direct)
+    device = run(False)
+    assert len(direct) == n_direct  # (the device factor: fp32 chunks)
+    ref = reference.backward(_d(x), _d(w), _d(b), t, IGNORE, None, None, lse,
+                             GradCoefs(*(_d(c) * 0.37 for c in co)), need_dx=True,
+                             need_dw=True, need_db=True)
+    for name, a, d, e in zip(("dx", "dw", "db"), ours, device, ref):
+        assert a.dtype == torch.bfloat16 and _rel(a, d) <= 1e-3, name
+        assert _rel(a, e) <= 6e-3, (name, _rel(a, e))
+
+
+def test_exact_16bit_reductions_restores_the_setting():
+    """row_chunks.exact_16bit_reductions: torch's bf16 reduced-precision reductions off inside,
+    the setting as it was after (on, or off), also when the block raises."""
+    from fused_ce.kernels.row_chunks import exact_16bit_reductions
+    m = torch.backends.cuda.matmul
+    before = m.allow_bf16_reduced_precision_reduction
+    try:
+        for setting in (True, False):
+            m.allow_bf16_reduced_precision_reduction = setting
+            with pytest.raises(RuntimeError):
+                with exact_16bit_reductions(torch.bfloat16):
+                    assert m.allow_bf16_reduced_precision_reduction is False
+                    raise RuntimeError
+            assert m.allow_bf16_reduced_precision_reduction is setting
+    finally:
+        m.allow_bf16_reduced_precision_reduction = before
 
 
 @pytest.mark.parametrize("split,group_m,persistent", [(1, 0, False), (2, 3, False),

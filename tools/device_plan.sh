@@ -149,6 +149,20 @@ s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an
         --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
         | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
       | tee "$OUT/ab_s37.log" ;;
+host_alpha)  # ~300 s (thirty-seventh session, NOTES.md #105): the GPU tests of the sweeps,
+    # low_memory at the wide heads in this tree and ab_prev (the tree before #105: mkdir
+    # ab_prev && git archive e8ec71e fused_ce benchmarks/bench.py | tar -x -C ab_prev), new
+    # prev new prev, then its kernels
+    HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "low_memory or one_sweep or sweep or scaled or upstream or capture" 2>&1 \
+      | grep -v Warn | tail -4 | tee "$OUT/tests_alpha.log"
+    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
+      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
+      timeout 85 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
+        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
+        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
+      | tee "$OUT/ab_alpha.log"
+    PROFILE_METHODS=fused_ce_lowmem PART=lowmem_profile bash tools/device_plan.sh ;;
 gl_tune)  # ~200 s (thirty-seventh session): low_memory's kernels at the wide heads under
     # grad_logits tile variants (tools/bench_tiles_config.py around tools/profile_kernels.py),
     # GL_CFGS: JSON objects separated by ';'

@@ -180,12 +180,14 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
                   if g is not None]
         scaled = iter(scaled_grads(*zip(*wanted), largest) if wanted else ())
         return tuple(None if g is None else next(scaled) for g in grads)
+    largest_host = None
     if p.N > 0 and library_products(p) and not _cannot_sync():
         # the cuBLAS products need host sizes: with the valid count read they skip the
-        # ignored rows (while a graph is captured they span every row)
-        CountRead(p.counts).wait(p, check_targets=False)
+        # ignored rows (while a graph is captured they span every row); the same read brings
+        # the factor, which the dW products then take as their scalar
+        largest_host = CountRead(p.counts, largest).wait(p, check_targets=False)
     grads = gradients(p, lse, unit, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                      low_memory=low_memory, factor=largest)
+                      low_memory=low_memory, factor=largest, factor_host=largest_host)
     return reference.rounded_grads(grads, x, weight, bias)
 
 

@@ -25,6 +25,8 @@ writes all of it afterwards), with blocks and chunks sized by that buffer
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -33,7 +35,7 @@ from fused_ce.kernels import config
 from fused_ce.kernels.grad_logits import grad_logits_kernel, grad_logits_options
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
 from fused_ce.kernels.problem import Problem, descriptor_ok
-from fused_ce.kernels.row_chunks import gemm_f32
+from fused_ce.kernels.row_chunks import gemm_f32, gemm_into
 from fused_ce.kernels.scale import scalable, scale_to
 from fused_ce.reference import GradCoefs
 
@@ -126,7 +128,7 @@ def _carve(scratch, shapes_dtypes):
 
 def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, dw=None, db=None,
            library: bool = False, by_row: bool = False, scratch=None, dw_tail: bool = False,
-           factor=None, v_start: int = 0):
+           factor=None, alpha=None, v_start: int = 0):
     """One pass over vocabulary chunks of width vc for the compacted rows [p0, p0 + rows), over
     the columns [v_start, V) (from v_start > 0 without dX: its sum starts at column 0).
 
@@ -141,7 +143,8 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     overwrites whole); D and dX's fp32 accumulator go there when they fit. ``dw_tail`` (a dW
     sweep without dX): a chunk's D and fp32 dW go in dW's rows past the chunk, which later
     chunks overwrite, as wide as they fit there while that is wider than vc (_tail_widths).
-    ``factor``: the device scalar that multiplies dX and dW as they are finished (``gradients``)."""
+    ``factor``: the device scalar that multiplies dX and dW as they are finished; ``alpha``: its
+    value on the host where known (``gradients``)."""
     lg = p.cfg["logits"]
     store_d = dx is not None or dw is not None
     d_rows = p.N if by_row else rows
@@ -161,8 +164,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
     acc = dx[tokens] if acc_is_dx else None
     want_acc = not acc_is_dx and dx is not None and (library or vc < p.V)
     x_rows = None
-    with_dw32 = library and dw is not None and dw.dtype != f32  # (an fp32 dw takes each
-    # chunk's product directly)
+    with_dw32 = library and dw is not None and _dw32_needed(dw, alpha)
     if library and dw is not None:
         x_rows = p.x[tokens] if in_order else p.x.index_select(0, p.row_idx[p0:p0 + rows])
     # x's rows in the compacted positions' order for the logits kernel: the gathered ones, or x's
@@ -217,7 +219,7 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
                      store_d=store_d, by_row=by_row, x_rows=x_compact)
         if library:
             _chunk_products(p, d[:, :width], x_rows, v0, dw=dw, dw32=dw32,
-                            acc=acc if dx is not None else None, factor=factor)
+                            acc=acc if dx is not None else None, factor=factor, alpha=alpha)
         else:
             _triton_products(p, d, ldd, prod_scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
@@ -231,19 +233,29 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], _times(acc, factor).to(dx.dtype))
 
 
-def _chunk_products(p: Problem, d, x_rows, v0: int, *, dw, dw32, acc, factor):
+def _chunk_products(p: Problem, d, x_rows, v0: int, *, dw, dw32, acc, factor, alpha=None):
     """cuBLAS products of one column chunk's D (rows x width, from column v0): dW's rows
-    [v0, v0 + width) = D^T x_rows over every row at once, through the fp32 ``dw32`` where dW
-    is 16-bit, times ``factor`` and rounded once (if at all); D W[chunk] into the fp32 ``acc``,
-    added from the second chunk on (v0 > 0). Either is skipped where its output is None."""
+    [v0, v0 + width) = D^T x_rows over every row at once, times the factor and rounded once (if
+    at all): with the factor on the host (``alpha``) as the product's own scalar straight
+    into dW, else through the fp32 ``dw32`` where dW is 16-bit; D W[chunk] into the fp32
+    ``acc``, added from the second chunk on (v0 > 0). Either is skipped where its output is
+    None."""
     width = d.shape[1]
     if dw is not None:
-        if dw32 is None:
+        if alpha is not None:
+            gemm_into(d.t(), x_rows, dw[v0:v0 + width], alpha=alpha)
+        elif dw32 is None:
             _times(gemm_f32(d.t(), x_rows, dw[v0:v0 + width]), factor)
         else:
             _times(gemm_f32(d.t(), x_rows, dw32), factor, out=dw[v0:v0 + width])
     if acc is not None:
         gemm_f32(d, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+
+
+def _dw32_needed(dw, alpha) -> bool:
+    """Whether a 16-bit dW's chunks go through an fp32 buffer: where the factor that multiplies
+    them before their rounding is on the device only (``alpha`` None)."""
+    return dw.dtype != torch.float32 and alpha is None
 
 
 def _grad_logits(p: Problem, lse, cf, scale, d, ldd: int, db_part, p0: int, rows: int, v0: int,
@@ -332,10 +344,11 @@ def _triton_products(p: Problem, d, ldd, scale, p0, rows, v0, width, last, acc, 
             WRITE_FINAL=last, **flags, **gm)
 
 
-def _dw32_cap(p: Problem, library_dw: bool, budget: int) -> int:
-    """Widest vocabulary chunk: V, or with cuBLAS dW products the width whose fp32 dW chunk
-    (4 vc H bytes) fits in ``budget`` (at few rows, D's budget alone would allow vc = V)."""
-    return max(1, budget // (4 * p.H)) if library_dw else p.V
+def _dw32_cap(p: Problem, dw32: bool, budget: int) -> int:
+    """Widest vocabulary chunk: V, or where cuBLAS's dW products go through fp32 chunks the
+    width whose fp32 dW chunk (4 vc H bytes) fits in ``budget`` (at few rows, D's budget alone
+    would allow vc = V)."""
+    return max(1, budget // (4 * p.H)) if dw32 else p.V
 
 
 def _low_memory_dx_blocks(p: Problem, n_rows: int, scratch_bytes: int) -> tuple[int, int]:
@@ -367,7 +380,8 @@ def _low_memory_dx_blocks(p: Problem, n_rows: int, scratch_bytes: int) -> tuple[
     return rb, _fit(d_budget // elt, rb, block_n, p.V)
 
 
-def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool):
+def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool,
+                          dw32: bool):
     """(by_row, rows, vc) of the memory-minimal dW/db sweep: D's layout, its rows and the
     vocabulary chunk width, within config.D_BYTES_LOW_MEMORY.
 
@@ -379,7 +393,7 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
     budget = config.D_BYTES_LOW_MEMORY
     elt = p.x.element_size()
     block_n = p.cfg["logits"]["BLOCK_N"]
-    cap = _dw32_cap(p, library_dw, config.DX_ACC_BYTES_LOW_MEMORY)
+    cap = _dw32_cap(p, dw32, config.DX_ACC_BYTES_LOW_MEMORY)
     if not library_dw or (known and n_rows == p.N):  # (no gather: the rows are in order)
         return False, n_rows, _fit(budget // elt, n_rows, block_n, cap)
     vc_all = _fit(budget // elt, p.N, block_n, cap)
@@ -391,7 +405,7 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
     return True, p.N, vc_all
 
 
-def _one_sweep_layout(p: Problem, dx, dw, vc: int):
+def _one_sweep_layout(p: Problem, dx, dw, vc: int, alpha=None):
     """(columns of dX's fp32 accumulator's place in dW, the first part's chunk widths) of
     _low_memory_one_sweep, or None where it does not apply: cuBLAS products, dX and dW asked
     for, every row valid with the count read (the rows in order), dX's own buffer wide enough
@@ -406,11 +420,12 @@ def _one_sweep_layout(p: Problem, dx, dw, vc: int):
     v_acc = p.V
     if dx.dtype != torch.float32:  # (from a row that is a multiple of 8: 16-byte aligned)
         v_acc = (p.V - triton.cdiv(p.N * p.H * 4, row_bytes)) // 8 * 8
-    widths = _tail_widths(p, p.N, vc, dw, dw.dtype != torch.float32, end=max(v_acc, 0))
+    widths = _tail_widths(p, p.N, vc, dw, _dw32_needed(dw, alpha), end=max(v_acc, 0))
     return (v_acc, widths) if 2 * sum(widths) >= p.V else None
 
 
-def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw, db, factor):
+def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw, db, factor,
+                          alpha=None):
     """The memory-minimal gradients in four GEMM-equivalents and a fraction (counting the
     statistics pass) instead of five, where _one_sweep_layout allows: no buffer beyond dX's
     and dW's own, and db's chunk sums. dX = sum over column chunks of D W[chunk] needs an fp32
@@ -429,7 +444,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     n_rows = p.N  # (every row valid, in order)
     f32 = torch.float32
     acc = dx if dx.dtype == f32 else _carve(dw[v_acc:], [((n_rows, p.H), f32)])[0]
-    with_dw32 = dw.dtype != f32
+    with_dw32 = _dw32_needed(dw, alpha)
     elt = p.x.element_size()
     m_tiles = triton.cdiv(n_rows, p.cfg["logits"]["BLOCK_M"])
     db_flat = (torch.empty(m_tiles * _round_up(max(widths), 8), dtype=f32, device=p.device)
@@ -442,7 +457,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
         db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
         _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width, x_rows=p.x)
         _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=acc,
-                        factor=factor)
+                        factor=factor, alpha=alpha)
         if db is not None:
             torch.sum(db_part, 0, out=db[v0:v0 + width])
         v0 += width
@@ -462,17 +477,20 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     _times(acc, factor, out=None if acc is dx else dx)
     if v1 < p.V:  # 3.
         _sweep(p, lse, cf, scale, 0, n_rows, vc, dw=dw, db=db, library=True, dw_tail=True,
-               factor=factor, v_start=v1)
+               factor=factor, alpha=alpha, v_start=v1)
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
-              need_db: bool, low_memory: bool, round_grads: bool = True, factor=None):
+              need_db: bool, low_memory: bool, round_grads: bool = True, factor=None,
+              factor_host: Optional[float] = None):
     """(dx, dw, db) in the input dtypes, or without ``round_grads`` in fp32, unrounded (None
     where not asked for); ignored rows get zeros. The products accumulate in fp32 either way:
     the outputs' dtype only decides whether their final stores round. ``factor``: an fp32
     device tensor of one element, or None for 1: the gradients of ``factor`` times the
     coefficients, the factor multiplied into dX, dW and db in fp32 before their one rounding
-    (kernels._unit_coefs; no host read).
+    (kernels._unit_coefs; no host read). ``factor_host``: its value, where the caller read it
+    (with the valid count): cuBLAS's dW products then take it as their scalar and write dW's
+    chunks straight in its dtype, without an fp32 chunk each and a rounding pass over it.
 
     The sweeps cover the first ``p.n_valid_host`` compacted rows when the caller read that
     count (the forward, whose target check syncs anyway), else all N positions (the kernels
@@ -487,23 +505,25 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
     db32 = torch.empty(p.V, dtype=torch.float32, device=p.device) if need_db else None
     elt = p.x.element_size()
     block_n = p.cfg["logits"]["BLOCK_N"]
+    alpha = 1.0 if factor is None else factor_host  # (None: on the device only)
     ov = config.CHUNK_OVERRIDE or {}
     lib = library_products(p)
+    dw32 = lib and need_dw and _dw32_needed(dw, alpha)  # (dW's chunks through fp32 buffers)
     known = p.n_valid_host is not None
     n_rows = p.n_valid_host if known else p.N
     if n_rows > 0 and (need_dx or need_dw or need_db):
         if not low_memory:
             vc = ov.get("vc") or _fit(config.D_BYTES // elt, n_rows, block_n,
-                                      _dw32_cap(p, lib and need_dw, config.D_BYTES))
+                                      _dw32_cap(p, dw32, config.D_BYTES))
             _sweep(p, lse, cf, scale, 0, n_rows, vc, dx=dx, dw=dw, db=db32, library=lib,
-                   by_row=lib and need_dw and not known, factor=factor)
+                   by_row=lib and need_dw and not known, factor=factor, alpha=alpha)
         else:
-            by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw)
+            by_row, rows, vc = _low_memory_dw_chunks(p, n_rows, known, lib and need_dw, dw32)
             vc = ov.get("vc") or vc
-            layout = _one_sweep_layout(p, dx, dw, vc)
+            layout = _one_sweep_layout(p, dx, dw, vc, alpha)
             if layout is not None:
                 _low_memory_one_sweep(p, lse, cf, scale, vc, layout, dx=dx, dw=dw, db=db32,
-                                      factor=factor)
+                                      factor=factor, alpha=alpha)
             else:
                 if need_dx:
                     scratch = dw  # (None without dW; else written whole by the dW sweep below)
@@ -515,7 +535,7 @@ def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool
                                library=lib, scratch=scratch, factor=factor)
                 if need_dw or need_db:
                     _sweep(p, lse, cf, scale, 0, rows, vc, dw=dw, db=db32, library=lib,
-                           by_row=by_row, dw_tail=dw is not None, factor=factor)
+                           by_row=by_row, dw_tail=dw is not None, factor=factor, alpha=alpha)
     else:
         if dw is not None:
             dw.zero_()

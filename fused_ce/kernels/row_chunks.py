@@ -58,6 +58,8 @@ for the ignored rows; they cost their GEMM time (H100, NOTES.md #91: a captured 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -228,6 +230,37 @@ def gemm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, alpha: floa
     if a.is_cuda and a.dtype != torch.float32:
         return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=out)
     return torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
+
+
+def gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+              alpha: float = 1.0) -> torch.Tensor:
+    """out = alpha * a @ b in out's dtype: the products summed in fp32, times alpha, rounded
+    once. For a 16-bit out, cuBLAS's reduced-precision reductions (split-K partial sums added
+    in 16 bits, which torch allows by default) are disallowed for the call
+    (``exact_16bit_reductions``)."""
+    if out.dtype == torch.float32:
+        return gemm_f32(a, b, out, alpha=alpha)
+    with exact_16bit_reductions(out.dtype):
+        return torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)
+
+
+@contextlib.contextmanager
+def exact_16bit_reductions(dtype: torch.dtype):
+    """torch.backends.cuda.matmul's allow_{bf16,fp16}_reduced_precision_reduction off for
+    ``dtype`` within the block, restored after (with its split-K part where torch has one)."""
+    m = torch.backends.cuda.matmul
+    name = ("allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16
+            else "allow_fp16_reduced_precision_reduction")
+    allowed = getattr(m, name)
+    if not allowed:
+        yield
+        return
+    split_k = getattr(m, name + "_split_k", None)
+    setattr(m, name, False)
+    try:
+        yield
+    finally:
+        setattr(m, name, True if split_k is None else (True, split_k))
 
 
 def applicable(p: Problem, low_memory: bool, host_read: bool = True) -> bool:
