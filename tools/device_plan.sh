@@ -149,6 +149,19 @@ s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an
         --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
         | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
       | tee "$OUT/ab_s37.log" ;;
+final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: the wide heads'
+    # rows and BERT's with their peers and low_memory (the README's table; PART=tests in a
+    # second call); elsewhere the GPU tests, then the same rows without Liger at BERT's heads
+    case "$gpu" in
+      *H200*) wide 230 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,cce,floor wide
+        STEPS=bench BENCH_TIMEOUT=200 \
+          BENCH_SHAPES=bert8k,mlm,bert16k,logsoftmax,bert16k_eval,mlm_eval \
+          BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,liger,floor bash tools/gpu_steps.sh ;;
+      *) tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide
+        STEPS=bench BENCH_TIMEOUT=90 BENCH_SHAPES=bert8k,mlm,bert16k \
+          BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,floor bash tools/gpu_steps.sh ;;
+    esac ;;
+tests) tests ;;
 host_alpha)  # ~300 s (thirty-seventh session, NOTES.md #105): the GPU tests of the sweeps,
     # low_memory at the wide heads in this tree and ab_prev (the tree before #105: mkdir
     # ab_prev && git archive e8ec71e fused_ce benchmarks/bench.py | tar -x -C ab_prev), new
