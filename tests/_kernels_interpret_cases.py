@@ -412,6 +412,7 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
     monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", True)
     monkeypatch.setattr(config, "LIBRARY_PRODUCTS_ON_CPU", True)
     monkeypatch.setattr(config, "STATS_EPILOGUE", True)
+    monkeypatch.setattr(mod, "_FIRST_ROWS_BYTES", 3 * 4 * 72)  # (dX's in-place finish in passes)
     monkeypatch.setattr(config, "D_BYTES_LOW_MEMORY", 37 * 32 * dtype.itemsize + 64)
     took = []
     real = mod._low_memory_one_sweep
@@ -435,8 +436,9 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
 
     lse = reference.forward(_d(x), _d(w), _d(b), t, IGNORE, 20.0, _d(cw)).lse
     ours = run()
-    v_acc, widths = took[0]
-    assert v_acc == (1000 if dtype == torch.float32 else 920)
+    v_acc, n_top, widths = took[0]
+    # (bf16: dX's buffer holds 18 of the accumulator's 37 rows, dW's last 40 rows the rest)
+    assert (v_acc, n_top) == ((1000, 37) if dtype == torch.float32 else (960, 18))
     assert len(widths) >= 2 and 500 <= sum(widths) < 1000  # (so all three parts ran)
     monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", False)
     blocks = run()
@@ -576,6 +578,27 @@ def test_grad_logits_orders_and_stores(split, group_m, persistent, rows, low_mem
         assert not any(x_desc for x_desc, *_ in launches)
 
 
+@pytest.mark.parametrize("n,first_rows", [(1, 1), (2, 1), (37, 2), (37, 3), (64, 5), (37, 99)])
+@pytest.mark.parametrize("factor", [None, 0.37])
+def test_finish_top_rows_in_place(n, first_rows, factor, monkeypatch):
+    """gradients._finish_top_rows: dX's buffer (n x 24 bf16) holding the accumulator's first
+    n // 2 rows in fp32 becomes those rows of dX, times the factor and rounded once, bitwise,
+    in place: the first rows through a copy (``first_rows`` of them), then doubling ranges;
+    the bytes past them are left alone."""
+    mod = _gradients_module()
+    h = 24
+    monkeypatch.setattr(mod, "_FIRST_ROWS_BYTES", first_rows * 4 * h)
+    n_top = n // 2
+    dx = torch.full((n, h), 7.0, dtype=torch.bfloat16)
+    acc = dx.view(-1).view(torch.uint8)[:n_top * h * 4].view(torch.float32).view(n_top, h)
+    acc.copy_(torch.randn(n_top, h, generator=_gen()) * 100)
+    want = acc.clone() * (1.0 if factor is None else factor)
+    tail = dx.view(-1)[2 * n_top * h:].clone()  # (past the accumulator's bytes)
+    mod._finish_top_rows(dx, n_top, None if factor is None else torch.tensor([factor]))
+    assert torch.equal(dx[:n_top], want.bfloat16())
+    assert torch.equal(dx.view(-1)[2 * n_top * h:], tail)
+
+
 @pytest.mark.parametrize("case", ["ok", "ignored", "count_unknown", "no_dx", "narrow_h",
                                   "few_columns", "switched_off"])
 def test_one_sweep_layout_where_it_applies(case, monkeypatch):
@@ -598,7 +621,7 @@ def test_one_sweep_layout_where_it_applies(case, monkeypatch):
     dw = torch.empty(v, h, dtype=torch.bfloat16)
     layout = mod._one_sweep_layout(p, dx, dw, 32)
     if case == "ok":
-        assert layout[0] == 920 and sum(layout[1]) >= 500
+        assert layout[:2] == (960, 18) and sum(layout[2]) >= 500
     else:
         assert layout is None
 

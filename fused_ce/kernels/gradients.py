@@ -406,22 +406,26 @@ def _low_memory_dw_chunks(p: Problem, n_rows: int, known: bool, library_dw: bool
 
 
 def _one_sweep_layout(p: Problem, dx, dw, vc: int, alpha=None):
-    """(columns of dX's fp32 accumulator's place in dW, the first part's chunk widths) of
-    _low_memory_one_sweep, or None where it does not apply: cuBLAS products, dX and dW asked
-    for, every row valid with the count read (the rows in order), dX's own buffer wide enough
-    for D's narrowest chunk, and a first part of at least half the vocabulary. The accumulator
-    (4 N H bytes; dX itself when dX is fp32) takes dW's last rows; the first part's chunks
-    keep D and their fp32 dW in dW's rows between them and it, as wide as fit (_tail_widths,
-    down to ``vc``, the dW sweep's own width)."""
+    """(columns of the accumulator's place in dW, the rows of it in dX's own buffer, the first
+    part's chunk widths) of _low_memory_one_sweep, or None where it does not apply: cuBLAS
+    products, dX and dW asked for, every row valid with the count read (the rows in order),
+    and a first part of at least half the vocabulary. dX's fp32 accumulator (4 N H bytes) is
+    dX itself where dX is fp32; a 16-bit dX's buffer holds its first N // 2 rows, dW's last
+    rows the rest. The first part's chunks keep D (and fp32 dW chunks where the factor is on
+    the device only) in dW's rows between them and the accumulator, as wide as fit
+    (_tail_widths, down to ``vc``, the dW sweep's own width)."""
     if (not config.LOW_MEMORY_ONE_SWEEP or dx is None or dw is None or not library_products(p)
-            or p.n_valid_host != p.N or p.H < p.cfg["logits"]["BLOCK_N"]):
+            or p.n_valid_host != p.N):
         return None
     row_bytes = p.H * dw.element_size()
-    v_acc = p.V
+    v_acc, n_top = p.V, p.N
     if dx.dtype != torch.float32:  # (from a row that is a multiple of 8: 16-byte aligned)
-        v_acc = (p.V - triton.cdiv(p.N * p.H * 4, row_bytes)) // 8 * 8
+        n_top = p.N // 2
+        v_acc = (p.V - triton.cdiv((p.N - n_top) * p.H * 4, row_bytes)) // 8 * 8
     widths = _tail_widths(p, p.N, vc, dw, _dw32_needed(dw, alpha), end=max(v_acc, 0))
-    return (v_acc, widths) if 2 * sum(widths) >= p.V else None
+    # (the columns past the first part start with D in dW's rows before the accumulator)
+    room = v_acc * row_bytes >= p.N * p.cfg["logits"]["BLOCK_N"] * p.x.element_size()
+    return (v_acc, n_top, widths) if room and 2 * sum(widths) >= p.V else None
 
 
 def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw, db, factor,
@@ -430,54 +434,102 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     statistics pass) instead of five, where _one_sweep_layout allows: no buffer beyond dX's
     and dW's own, and db's chunk sums. dX = sum over column chunks of D W[chunk] needs an fp32
     accumulator over all rows; dW[chunk] = D^T x needs D over all rows. Both come from one
-    D per chunk where the accumulator has a place, dW's last rows (unwritten until the end):
-      1. columns [0, v1): per chunk, D and its fp32 dW in dW's rows past it; dW[chunk]
-         finished, D W[chunk] added into the accumulator;
-      2. columns [v1, V): D again, in dX's buffer (its own: 8 MiB where dX is the
-         accumulator), only for dX's products; then dX finished from the accumulator;
+    D per chunk where the accumulator has a place that nothing else needs until the end: a
+    16-bit dX's own buffer holds exactly half of it (rows [0, n_top)), dW's last rows (unwritten
+    until the end) the rest. With v1 the first part's end:
+      1. columns [v1, V): D in dW's rows before the accumulator (its own 8 MiB where dX is
+         fp32 and the whole accumulator), only for dX's products;
+      2. columns [0, v1): per chunk, D (and an fp32 dW chunk where the factor is on the
+         device only) in dW's rows past it; dW[chunk] finished, D W[chunk] added into the
+         accumulator; then dX finished from the accumulator (its half in dX's buffer in place,
+         _finish_top_rows);
       3. columns [v1, V), whose rows of dW the accumulator no longer holds: the dW sweep
          (_sweep with dw_tail), D once more.
     So the logits are computed 1 + (V - v1) / V times after the statistics pass, against twice
-    in the row blocks' scheme: v1 is 0.72 V at Llama-3's head (16384 x 4096 x 128256), 0.92 V
-    at Gemma-2's (8192 x 2304 x 256000); BERT's (V / N = 2-4) does not take it."""
-    v_acc, widths = layout
+    in the row blocks' scheme: v1 is 0.85 V at Llama-3's head (16384 x 4096 x 128256; 0.73 V
+    with the whole accumulator in dW), 0.96 V at Gemma-2's (8192 x 2304 x 256000), 0.56 V at
+    BERT's on 8192 rows (which did not take it before: under half); on 16384 rows BERT's head
+    has too few columns (V / N < 2) and keeps the row blocks."""
+    v_acc, n_top, widths = layout
     n_rows = p.N  # (every row valid, in order)
     f32 = torch.float32
-    acc = dx if dx.dtype == f32 else _carve(dw[v_acc:], [((n_rows, p.H), f32)])[0]
-    with_dw32 = _dw32_needed(dw, alpha)
+    block_n = p.cfg["logits"]["BLOCK_N"]
     elt = p.x.element_size()
+    if dx.dtype == f32:
+        accs = [(dx, slice(0, n_rows))]
+    else:
+        top = dx.view(-1).view(torch.uint8)[:n_top * p.H * 4].view(f32).view(n_top, p.H)
+        bottom = _carve(dw[v_acc:], [((n_rows - n_top, p.H), f32)])[0]
+        accs = [(a, rows) for a, rows in ((top, slice(0, n_top)),
+                                          (bottom, slice(n_top, n_rows))) if rows.start < rows.stop]
+    v1 = sum(widths)
+    first = True  # (the accumulator's first product writes it)
+    if v1 < p.V:  # 1.
+        if dx.dtype == f32:
+            wb = _fit(config.D_BYTES_LOW_MEMORY // elt, n_rows, block_n, p.V - v1)
+            d = torch.empty((n_rows, wb), dtype=p.x.dtype, device=p.device)
+        else:
+            wb = _fit(v_acc * p.H * dw.element_size() // elt, n_rows, block_n, p.V - v1)
+            d = _carve(dw[:v_acc], [((n_rows, wb), p.x.dtype)])[0]
+        for v0 in range(v1, p.V, wb):
+            width = min(wb, p.V - v0)
+            _grad_logits(p, lse, cf, scale, d, wb, None, 0, n_rows, v0, width, x_rows=p.x)
+            _add_products(d[:, :width], p.weight[v0:v0 + width], accs, first)
+            first = False
+    with_dw32 = _dw32_needed(dw, alpha)
     m_tiles = triton.cdiv(n_rows, p.cfg["logits"]["BLOCK_M"])
     db_flat = (torch.empty(m_tiles * _round_up(max(widths), 8), dtype=f32, device=p.device)
                if db is not None else None)
     v0 = 0
-    for width in widths:  # 1. (widths: multiples of the vocabulary tile, so rows of D aligned)
+    for width in widths:  # 2. (widths: multiples of the vocabulary tile, so rows of D aligned)
         got = _carve(dw[v0 + width:v_acc], [((n_rows, width), p.x.dtype)] +
                      [((width, p.H), f32)] * with_dw32)
         d = got[0]
         db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
         _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width, x_rows=p.x)
-        _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=acc,
+        _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=None,
                         factor=factor, alpha=alpha)
+        _add_products(d, p.weight[v0:v0 + width], accs, first)
+        first = False
         if db is not None:
             torch.sum(db_part, 0, out=db[v0:v0 + width])
         v0 += width
-    v1 = v0
-    if v1 < p.V:  # 2.
-        block_n = p.cfg["logits"]["BLOCK_N"]
-        if acc is dx:
-            wb = _fit(config.D_BYTES_LOW_MEMORY // elt, n_rows, block_n, p.V - v1)
-            d = torch.empty((n_rows, wb), dtype=p.x.dtype, device=p.device)
-        else:  # (n_rows x wb within dX's n_rows x H: wb <= H)
-            wb = _fit(dx.numel(), n_rows, block_n, p.V - v1)
-            d = _carve(dx, [((n_rows, wb), p.x.dtype)])[0]
-        for v0 in range(v1, p.V, wb):
-            width = min(wb, p.V - v0)
-            _grad_logits(p, lse, cf, scale, d, wb, None, 0, n_rows, v0, width, x_rows=p.x)
-            gemm_f32(d[:, :width], p.weight[v0:v0 + width], acc, accumulate=True)
-    _times(acc, factor, out=None if acc is dx else dx)
+    if dx.dtype == f32:
+        _times(dx, factor)
+    else:
+        _finish_top_rows(dx, n_top, factor)
+        if n_top < n_rows:  # (into dX's bytes past its rows [0, n_top): read already)
+            _times(accs[-1][0], factor, out=dx[n_top:])
     if v1 < p.V:  # 3.
         _sweep(p, lse, cf, scale, 0, n_rows, vc, dw=dw, db=db, library=True, dw_tail=True,
                factor=factor, alpha=alpha, v_start=v1)
+
+
+def _add_products(d, w_chunk, accs, first: bool):
+    """acc (fp32) += D[rows] W[chunk] for each (acc, rows) part of dX's accumulator; written
+    (not added) where ``first``."""
+    for acc, rows in accs:
+        gemm_f32(d[rows], w_chunk, acc, accumulate=not first)
+
+
+_FIRST_ROWS_BYTES = 2**20  # (_finish_top_rows' copy; tests make it small)
+
+
+def _finish_top_rows(dx, n_top: int, factor):
+    """dX's rows [0, n_top) from the fp32 accumulator rows that fill dX's own buffer (row r at
+    bytes [4 r H, 4 (r + 1) H)), times the factor and rounded, in place: row r's result goes to
+    bytes [2 r H, 2 (r + 1) H), over accumulator rows already read. Rows [a, 2a) in one launch
+    read bytes [4 a H, 8 a H) and write [2 a H, 4 a H), apart, over the rows [a / 2, a) that
+    the launch before read: so doubling ranges, the first (whose result would overlap its own
+    sources) through a copy of at most 1 MiB."""
+    h = dx.shape[1]
+    acc = dx.view(-1).view(torch.uint8)[:n_top * h * 4].view(torch.float32).view(n_top, h)
+    a = min(n_top, max(1, _FIRST_ROWS_BYTES // (4 * h)))
+    _times(acc[:a].clone(), factor, out=dx[:a])
+    while a < n_top:
+        b = min(2 * a, n_top)
+        _times(acc[a:b], factor, out=dx[a:b])
+        a = b
 
 
 def gradients(p: Problem, lse, coefs: GradCoefs, *, need_dx: bool, need_dw: bool,
