@@ -149,6 +149,18 @@ s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an
         --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
         | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
       | tee "$OUT/ab_s37.log" ;;
+half_acc)  # ~350 s (thirty-seventh session, NOTES.md #107): the GPU tests of the sweeps, then
+    # low_memory in this tree and ab_prev (5590589: mkdir ab_prev && git archive 5590589
+    # fused_ce benchmarks/bench.py | tar -x -C ab_prev), new prev new prev, wide heads and BERT
+    HF_HUB_OFFLINE=1 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "low_memory or one_sweep or sweep or scaled or upstream or capture" 2>&1 \
+      | grep -v Warn | tail -4 | tee "$OUT/tests_half_acc.log"
+    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
+      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
+      timeout 70 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
+        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2,bert8k} --methods $m 2>&1 \
+        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
+      | tee "$OUT/ab_half_acc.log" ;;
 final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: the wide heads'
     # rows and BERT's with their peers and low_memory (the README's table; PART=tests in a
     # second call); elsewhere the GPU tests, then the same rows without Liger at BERT's heads
