@@ -439,7 +439,7 @@ def test_low_memory_one_sweep(dtype, entry, monkeypatch):
     v_acc, n_top, widths = took[0]
     # (bf16: dX's buffer holds 18 of the accumulator's 37 rows, dW's last 40 rows the rest)
     assert (v_acc, n_top) == ((1000, 37) if dtype == torch.float32 else (960, 18))
-    assert len(widths) >= 2 and 500 <= sum(widths) < 1000  # (so all three parts ran)
+    assert len(widths) >= 2 and 750 <= sum(widths) < 1000  # (so all three parts ran)
     monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", False)
     blocks = run()
     assert len(took) == 1
@@ -603,8 +603,8 @@ def test_finish_top_rows_in_place(n, first_rows, factor, monkeypatch):
                                   "few_columns", "switched_off"])
 def test_one_sweep_layout_where_it_applies(case, monkeypatch):
     """gradients._one_sweep_layout: switched on (config.LOW_MEMORY_ONE_SWEEP), every row valid
-    with the count read, dX and dW asked for, H at least the vocabulary tile, the first part at
-    least half the columns."""
+    with the count read, dX and dW asked for, the first part at least three quarters of the
+    columns (with H 8 dW's rows are too narrow for that)."""
     from fused_ce.kernels.problem import Problem
     mod = _gradients_module()
     monkeypatch.setattr(config, "LOW_MEMORY_ONE_SWEEP", case != "switched_off")
@@ -619,9 +619,9 @@ def test_one_sweep_layout_where_it_applies(case, monkeypatch):
         p.n_valid_host = int((t != IGNORE).sum())
     dx = None if case == "no_dx" else torch.empty(n, h, dtype=torch.bfloat16)
     dw = torch.empty(v, h, dtype=torch.bfloat16)
-    layout = mod._one_sweep_layout(p, dx, dw, 32)
+    layout = mod._one_sweep_layout(p, dx, dw, 32, alpha=1.0)  # (the factor on the host)
     if case == "ok":
-        assert layout[:2] == (960, 18) and sum(layout[2]) >= 500
+        assert layout[:2] == (960, 18) and sum(layout[2]) >= 750
     else:
         assert layout is None
 

@@ -179,7 +179,7 @@ def test_low_memory_one_sweep_vs_fp64(h, v, softcap, budget, monkeypatch):
         assert _rel(got, getattr(ref, name)) <= max(GRAD_TOL, 1.25 * eager[name]), name
 
 
-@pytest.mark.parametrize("h,v", [(1024, 10007), (4096, 50021)])
+@pytest.mark.parametrize("h,v", [(1024, 20011), (4096, 50021)])
 def test_low_memory_one_sweep_backward_vs_fp64(h, v, monkeypatch):
     """low_memory through the API with an upstream gradient of 0.37, every row valid: the
     backward's one sweep with the factor read on the host (dW's chunks straight in bf16,

@@ -409,7 +409,8 @@ def _one_sweep_layout(p: Problem, dx, dw, vc: int, alpha=None):
     """(columns of the accumulator's place in dW, the rows of it in dX's own buffer, the first
     part's chunk widths) of _low_memory_one_sweep, or None where it does not apply: cuBLAS
     products, dX and dW asked for, every row valid with the count read (the rows in order),
-    and a first part of at least half the vocabulary. dX's fp32 accumulator (4 N H bytes) is
+    and a first part of at least three quarters of the vocabulary (at BERT's head on 8192 rows
+    its 0.56 V took 8.3-9.2 ms against the row blocks' 7.5-8.0: H100, NOTES.md #107). dX's fp32 accumulator (4 N H bytes) is
     dX itself where dX is fp32; a 16-bit dX's buffer holds its first N // 2 rows, dW's last
     rows the rest. The first part's chunks keep D (and fp32 dW chunks where the factor is on
     the device only) in dW's rows between them and the accumulator, as wide as fit
@@ -425,7 +426,7 @@ def _one_sweep_layout(p: Problem, dx, dw, vc: int, alpha=None):
     widths = _tail_widths(p, p.N, vc, dw, _dw32_needed(dw, alpha), end=max(v_acc, 0))
     # (the columns past the first part start with D in dW's rows before the accumulator)
     room = v_acc * row_bytes >= p.N * p.cfg["logits"]["BLOCK_N"] * p.x.element_size()
-    return (v_acc, n_top, widths) if room and 2 * sum(widths) >= p.V else None
+    return (v_acc, n_top, widths) if room and 4 * sum(widths) >= 3 * p.V else None
 
 
 def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw, db, factor,
@@ -447,9 +448,8 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
          (_sweep with dw_tail), D once more.
     So the logits are computed 1 + (V - v1) / V times after the statistics pass, against twice
     in the row blocks' scheme: v1 is 0.85 V at Llama-3's head (16384 x 4096 x 128256; 0.73 V
-    with the whole accumulator in dW), 0.96 V at Gemma-2's (8192 x 2304 x 256000), 0.56 V at
-    BERT's on 8192 rows (which did not take it before: under half); on 16384 rows BERT's head
-    has too few columns (V / N < 2) and keeps the row blocks."""
+    with the whole accumulator in dW), 0.96 V at Gemma-2's (8192 x 2304 x 256000); BERT's
+    heads (0.56 V on 8192 rows, 0.26 V on 16384) keep the row blocks."""
     v_acc, n_top, widths = layout
     n_rows = p.N  # (every row valid, in order)
     f32 = torch.float32
