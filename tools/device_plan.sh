@@ -173,6 +173,8 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
         STEPS=bench BENCH_TIMEOUT=90 BENCH_SHAPES=bert8k,mlm,bert16k \
           BENCH_METHODS=fused_ce,fused_ce_lowmem,compile,floor bash tools/gpu_steps.sh ;;
     esac ;;
+final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
+    tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
 host_alpha)  # ~300 s (thirty-seventh session, NOTES.md #105): the GPU tests of the sweeps,
     # low_memory at the wide heads in this tree and ab_prev (the tree before #105: mkdir
