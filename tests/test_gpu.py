@@ -201,8 +201,13 @@ def test_low_memory_one_sweep_backward_vs_fp64(h, v, monkeypatch):
     assert len(took) == 1 and took[0] is not None  # (the factor on the host)
     ref = [p.double().requires_grad_() for p in (x, w, b)]
     (F.cross_entropy(F.linear(*ref), t) * 0.37).backward()
-    for p, r in zip(ps, ref):
-        assert p.grad.dtype == torch.bfloat16 and _rel(p.grad, r.grad) <= GRAD_TOL
+    eager = [p.detach().requires_grad_() for p in (x, w, b)]
+    (F.cross_entropy(F.linear(*eager), t) * 0.37).backward()
+    for p, e, r in zip(ps, eager, ref):
+        # (CCE's form, as _eager_grad_errors': with large biases db is a few large entries,
+        # whose bf16 rounding alone reaches 2^-8 = 3.9e-3 in eager's too)
+        bound = max(GRAD_TOL, 1.25 * _rel(e.grad, r.grad))
+        assert p.grad.dtype == torch.bfloat16 and _rel(p.grad, r.grad) <= bound
 
 
 @pytest.mark.parametrize("h,softcap,multi", [(1024, 30.0, False), (1024, 2.0, True),
