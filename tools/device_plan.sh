@@ -42,6 +42,18 @@ h200_rows() { STEPS=bench BENCH_TIMEOUT=$1 \
 # #65) against 3 everywhere, $1 rounds
 stats_stages_ab() { STEPS=tiles_cfg TILES_ROUNDS=$1 TILES_SHAPES=bert16k_eval,llama3_eval \
     TILES_CFGS='{};{"stats_stages": 3}' bash tools/gpu_steps.sh; }
+# GPU tests of tests/test_gpu.py matching $2 within $1 s, the tail kept as $3.log
+gpu_tests_k() { HF_HUB_OFFLINE=1 timeout $1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu.py -k "$2" 2>&1 | grep -v Warn | tail -4 | tee "$OUT/$3.log"; }
+# low_memory in this tree and ab_prev, new prev new prev (the floor in the first round), each
+# run within $1 s at AB_SHAPES (default $2), kept as $3.log
+lowmem_ab() { r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
+    m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
+    timeout $1 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
+      --warmup-steps 2 --shapes ${AB_SHAPES:-$2} --methods $m 2>&1 \
+      | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
+    | tee "$OUT/$3.log"; }
+SWEEP_TESTS="low_memory or one_sweep or sweep or scaled or upstream or capture"
 case ${PART:-table} in
 table) bert 290; large 270 ;;
 all) tests; bert 230 ""; large 200 600 ;;
@@ -140,27 +152,13 @@ s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an
     case "$gpu" in
       *H200*) wide 170 400 gemma2,llama3 fused_ce,compile,liger,floor table ;;
     esac
-    HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "scaled_grads or one_sweep or low_memory" 2>&1 | grep -v Warn | tail -4 \
-      | tee "$OUT/tests_s37.log"
-    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
-      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
-      timeout 85 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
-        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
-        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
-      | tee "$OUT/ab_s37.log" ;;
+    gpu_tests_k 150 "scaled_grads or one_sweep or low_memory" tests_s37
+    lowmem_ab 85 llama3,gemma2 ab_s37 ;;
 half_acc)  # ~350 s (thirty-seventh session, NOTES.md #107): the GPU tests of the sweeps, then
     # low_memory in this tree and ab_prev (5590589: mkdir ab_prev && git archive 5590589
     # fused_ce benchmarks/bench.py | tar -x -C ab_prev), new prev new prev, wide heads and BERT
-    HF_HUB_OFFLINE=1 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "low_memory or one_sweep or sweep or scaled or upstream or capture" 2>&1 \
-      | grep -v Warn | tail -4 | tee "$OUT/tests_half_acc.log"
-    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
-      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
-      timeout 70 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
-        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2,bert8k} --methods $m 2>&1 \
-        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
-      | tee "$OUT/ab_half_acc.log" ;;
+    gpu_tests_k 170 "$SWEEP_TESTS" tests_half_acc
+    lowmem_ab 70 llama3,gemma2,bert8k ab_half_acc ;;
 final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: the wide heads'
     # rows and BERT's with their peers and low_memory (the README's table; PART=tests in a
     # second call); elsewhere the GPU tests, then the same rows without Liger at BERT's heads
@@ -180,15 +178,8 @@ host_alpha)  # ~300 s (thirty-seventh session, NOTES.md #105): the GPU tests of 
     # low_memory at the wide heads in this tree and ab_prev (the tree before #105: mkdir
     # ab_prev && git archive e8ec71e fused_ce benchmarks/bench.py | tar -x -C ab_prev), new
     # prev new prev, then its kernels
-    HF_HUB_OFFLINE=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "low_memory or one_sweep or sweep or scaled or upstream or capture" 2>&1 \
-      | grep -v Warn | tail -4 | tee "$OUT/tests_alpha.log"
-    r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
-      m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
-      timeout 85 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
-        --warmup-steps 2 --shapes ${AB_SHAPES:-llama3,gemma2} --methods $m 2>&1 \
-        | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
-      | tee "$OUT/ab_alpha.log"
+    gpu_tests_k 150 "$SWEEP_TESTS" tests_alpha
+    lowmem_ab 85 llama3,gemma2 ab_alpha
     PROFILE_METHODS=fused_ce_lowmem PART=lowmem_profile bash tools/device_plan.sh ;;
 gl_tune)  # ~200 s (thirty-seventh session): low_memory's kernels at the wide heads under
     # grad_logits tile variants (tools/bench_tiles_config.py around tools/profile_kernels.py),
