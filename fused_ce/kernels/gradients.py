@@ -410,11 +410,11 @@ def _one_sweep_layout(p: Problem, dx, dw, vc: int, alpha=None):
     part's chunk widths) of _low_memory_one_sweep, or None where it does not apply: cuBLAS
     products, dX and dW asked for, every row valid with the count read (the rows in order),
     and a first part of at least three quarters of the vocabulary (at BERT's head on 8192 rows
-    its 0.56 V took 8.3-9.2 ms against the row blocks' 7.5-8.0: H100, NOTES.md #107). dX's fp32 accumulator (4 N H bytes) is
-    dX itself where dX is fp32; a 16-bit dX's buffer holds its first N // 2 rows, dW's last
-    rows the rest. The first part's chunks keep D (and fp32 dW chunks where the factor is on
-    the device only) in dW's rows between them and the accumulator, as wide as fit
-    (_tail_widths, down to ``vc``, the dW sweep's own width)."""
+    its 0.56 V took 8.3-9.2 ms against the row blocks' 7.5-8.0: H100, NOTES.md #107). dX's
+    fp32 accumulator (4 N H bytes) is dX itself where dX is fp32; a 16-bit dX's buffer holds
+    its first N // 2 rows, dW's last rows the rest. The first part's chunks keep D (and fp32
+    dW chunks where the factor is on the device only) in dW's rows between them and the
+    accumulator, as wide as fit (_tail_widths, down to ``vc``, the dW sweep's own width)."""
     if (not config.LOW_MEMORY_ONE_SWEEP or dx is None or dw is None or not library_products(p)
             or p.n_valid_host != p.N):
         return None
@@ -460,8 +460,8 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     else:
         top = dx.view(-1).view(torch.uint8)[:n_top * p.H * 4].view(f32).view(n_top, p.H)
         bottom = _carve(dw[v_acc:], [((n_rows - n_top, p.H), f32)])[0]
-        accs = [(a, rows) for a, rows in ((top, slice(0, n_top)),
-                                          (bottom, slice(n_top, n_rows))) if rows.start < rows.stop]
+        parts = ((top, slice(0, n_top)), (bottom, slice(n_top, n_rows)))
+        accs = [(a, rows) for a, rows in parts if rows.start < rows.stop]
     v1 = sum(widths)
     first = True  # (the accumulator's first product writes it)
     if v1 < p.V:  # 1.
