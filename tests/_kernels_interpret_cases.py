@@ -590,7 +590,7 @@ def test_finish_top_rows_in_place(n, first_rows, factor, monkeypatch):
     monkeypatch.setattr(mod, "_FIRST_ROWS_BYTES", first_rows * 4 * h)
     n_top = n // 2
     dx = torch.full((n, h), 7.0, dtype=torch.bfloat16)
-    acc = dx.view(-1).view(torch.uint8)[:n_top * h * 4].view(torch.float32).view(n_top, h)
+    acc = mod.top_rows_accumulator(dx, n_top)
     acc.copy_(torch.randn(n_top, h, generator=_gen()) * 100)
     want = acc.clone() * (1.0 if factor is None else factor)
     tail = dx.view(-1)[2 * n_top * h:].clone()  # (past the accumulator's bytes)
@@ -1399,18 +1399,21 @@ def test_scaled_grads_round_once(sizes):
 
 
 @pytest.mark.parametrize("n", [1, 16, 33])
-def test_scale_to_rounds_once(n):
-    """scale.scale_to (the sweeps' rounding of fp32 gradient chunks): bitwise the fp32 product
-    rounded once, into an fp16 destination and in place into the fp32 source; sizes around
-    the interpreter's 16-element block. (bf16 on the GPU: test_gpu.py)"""
-    from fused_ce.kernels.scale import scale_to
+def test_scale_into_given_destinations(n):
+    """scale.scale_into with ``outs`` (the sweeps' rounding of fp32 gradient chunks into dW's
+    and dX's rows): bitwise the fp32 product rounded once, into a given fp16 destination and
+    into the fp32 source itself; sizes around the interpreter's 16-element block. (bf16 on the
+    GPU: test_gpu.py)"""
+    from fused_ce.kernels.scale import scale_into
     g = _gen()
     src = torch.randn(n, 3, generator=g) * 100
     k = torch.rand((), generator=g) + 0.1
     out = torch.full((n, 3), float("nan"), dtype=torch.float16)
-    assert scale_to(src, out, k) is out and torch.equal(out, (src * k).half())
+    assert scale_into([src], [torch.float16], k, outs=[out])[0] is out
+    assert torch.equal(out, (src * k).half())
     want = src * k
-    assert scale_to(src, src, k) is src and torch.equal(src, want)
+    assert scale_into([src], [torch.float32], k, outs=[src])[0] is src
+    assert torch.equal(src, want)
 
 
 @pytest.mark.parametrize("n,n_valid,h", [(9, 4, 70), (1, 0, 3), (5, 5, 16), (13, 1, 33)])

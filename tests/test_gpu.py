@@ -672,10 +672,10 @@ def test_scaled_grads_round_once_bf16():
     for out, exp in zip(got, want):
         assert out.dtype == exp.dtype and torch.equal(out, exp)
     assert got[2] is src[2]
-    from fused_ce.kernels.scale import scale_to  # (the sweeps' rounding of fp32 chunks)
+    from fused_ce.kernels.scale import scale_into  # (the sweeps' rounding of fp32 chunks)
     s = torch.randn(4097, 33, device="cuda") * 50
     out = torch.empty(4097, 33, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(scale_to(s, out, k), (s * k).bfloat16())
+    assert torch.equal(scale_into([s], [torch.bfloat16], k, outs=[out])[0], (s * k).bfloat16())
 
 
 @pytest.mark.parametrize("multi", [False, True])

@@ -145,10 +145,10 @@ next)  # the thirty-seventh session's first call (~450 s): the wide heads' table
     STEPS=bench BENCH_TIMEOUT=100 BENCH_SHAPES=bert8k,mlm,bert16k \
       BENCH_METHODS=fused_ce_lowmem,floor bash tools/gpu_steps.sh ;;
 s37)  # the thirty-seventh session's first call (~350 s, ~520 on an H200): on an H200 the
-    # wide heads' table with their peers; the GPU tests of the sweeps' rounding (scale.scale_to,
-    # NOTES.md #104), then low_memory at the wide heads in this tree and ab_prev (beeebfd:
-    # mkdir ab_prev && git archive beeebfd fused_ce benchmarks/bench.py | tar -x -C ab_prev),
-    # new prev new prev, the floor in the first round
+    # wide heads' table with their peers; the GPU tests of the sweeps' rounding (NOTES.md #104:
+    # scale.scale_to then, scale_into's outs now), then low_memory at the wide heads in this
+    # tree and ab_prev (beeebfd: mkdir ab_prev && git archive beeebfd fused_ce
+    # benchmarks/bench.py | tar -x -C ab_prev), new prev new prev, the floor in the first round
     case "$gpu" in
       *H200*) wide 170 400 gemma2,llama3 fused_ce,compile,liger,floor table ;;
     esac

@@ -36,7 +36,7 @@ from fused_ce.kernels.grad_logits import grad_logits_kernel, grad_logits_options
 from fused_ce.kernels.matmul import dw_kernel, dx_kernel
 from fused_ce.kernels.problem import Problem, descriptor_ok
 from fused_ce.kernels.row_chunks import gemm_f32, gemm_into
-from fused_ce.kernels.scale import scalable, scale_to
+from fused_ce.kernels.scale import scalable, scale_into
 from fused_ce.reference import GradCoefs
 
 
@@ -218,8 +218,11 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
         _grad_logits(p, lse, cf, scale, d, ldd, db_part, p0, rows, v0, width,
                      store_d=store_d, by_row=by_row, x_rows=x_compact)
         if library:
-            _chunk_products(p, d[:, :width], x_rows, v0, dw=dw, dw32=dw32,
-                            acc=acc if dx is not None else None, factor=factor, alpha=alpha)
+            if dw is not None:
+                _dw_product(d[:, :width], x_rows, v0, dw, dw32, factor, alpha)
+            if dx is not None:
+                _add_products(d[:, :width], p.weight[v0:v0 + width], [(acc, slice(None))],
+                              first=v0 == 0)
         else:
             _triton_products(p, d, ldd, prod_scale, p0, rows, v0, width, v0 + width >= p.V,
                              acc, dx, dw)
@@ -233,23 +236,25 @@ def _sweep(p: Problem, lse, cf, scale, p0: int, rows: int, vc: int, *, dx=None, 
             dx.index_copy_(0, p.row_idx[p0:p0 + rows], _times(acc, factor).to(dx.dtype))
 
 
-def _chunk_products(p: Problem, d, x_rows, v0: int, *, dw, dw32, acc, factor, alpha=None):
-    """cuBLAS products of one column chunk's D (rows x width, from column v0): dW's rows
-    [v0, v0 + width) = D^T x_rows over every row at once, times the factor and rounded once (if
-    at all): with the factor on the host (``alpha``) as the product's own scalar straight
-    into dW, else through the fp32 ``dw32`` where dW is 16-bit; D W[chunk] into the fp32
-    ``acc``, added from the second chunk on (v0 > 0). Either is skipped where its output is
-    None."""
+def _dw_product(d, x_rows, v0: int, dw, dw32, factor, alpha):
+    """dW's rows [v0, v0 + width) = D^T x_rows over every row at once (cuBLAS; D: rows x width,
+    from column v0), times the factor and rounded once (if at all): with the factor on the host
+    (``alpha``) as the product's own scalar straight into dW, else through the fp32 ``dw32``
+    where dW is 16-bit."""
     width = d.shape[1]
-    if dw is not None:
-        if alpha is not None:
-            gemm_into(d.t(), x_rows, dw[v0:v0 + width], alpha=alpha)
-        elif dw32 is None:
-            _times(gemm_f32(d.t(), x_rows, dw[v0:v0 + width]), factor)
-        else:
-            _times(gemm_f32(d.t(), x_rows, dw32), factor, out=dw[v0:v0 + width])
-    if acc is not None:
-        gemm_f32(d, p.weight[v0:v0 + width], acc, accumulate=v0 > 0)
+    if alpha is not None:
+        gemm_into(d.t(), x_rows, dw[v0:v0 + width], alpha=alpha)
+    elif dw32 is None:
+        _times(gemm_f32(d.t(), x_rows, dw[v0:v0 + width]), factor)
+    else:
+        _times(gemm_f32(d.t(), x_rows, dw32), factor, out=dw[v0:v0 + width])
+
+
+def _add_products(d, w_chunk, accs, first: bool):
+    """acc (fp32) += D[rows] W[chunk] for each (acc, rows) part of dX's accumulator (cuBLAS);
+    written (not added) where ``first``."""
+    for acc, rows in accs:
+        gemm_f32(d[rows], w_chunk, acc, accumulate=not first)
 
 
 def _dw32_needed(dw, alpha) -> bool:
@@ -304,7 +309,7 @@ def _times(t, factor, out=None):
     # kernel takes fp32 outputs only)
     if (scalable([t], [out.dtype], factor) and out.is_contiguous() and out.device == t.device
             and not (config.interpreting() and out.dtype != torch.float32)):
-        return scale_to(t, out, factor)
+        return scale_into([t], [out.dtype], factor, outs=[out])[0]
     return torch.mul(t, factor, out=out)
 
 
@@ -458,7 +463,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     if dx.dtype == f32:
         accs = [(dx, slice(0, n_rows))]
     else:
-        top = dx.view(-1).view(torch.uint8)[:n_top * p.H * 4].view(f32).view(n_top, p.H)
+        top = top_rows_accumulator(dx, n_top)
         bottom = _carve(dw[v_acc:], [((n_rows - n_top, p.H), f32)])[0]
         parts = ((top, slice(0, n_top)), (bottom, slice(n_top, n_rows)))
         accs = [(a, rows) for a, rows in parts if rows.start < rows.stop]
@@ -487,8 +492,7 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
         d = got[0]
         db_part = None if db is None else db_flat[:m_tiles * width].view(m_tiles, width)
         _grad_logits(p, lse, cf, scale, d, width, db_part, 0, n_rows, v0, width, x_rows=p.x)
-        _chunk_products(p, d, p.x, v0, dw=dw, dw32=got[1] if with_dw32 else None, acc=None,
-                        factor=factor, alpha=alpha)
+        _dw_product(d, p.x, v0, dw, got[1] if with_dw32 else None, factor, alpha)
         _add_products(d, p.weight[v0:v0 + width], accs, first)
         first = False
         if db is not None:
@@ -505,26 +509,25 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
                factor=factor, alpha=alpha, v_start=v1)
 
 
-def _add_products(d, w_chunk, accs, first: bool):
-    """acc (fp32) += D[rows] W[chunk] for each (acc, rows) part of dX's accumulator; written
-    (not added) where ``first``."""
-    for acc, rows in accs:
-        gemm_f32(d[rows], w_chunk, acc, accumulate=not first)
+def top_rows_accumulator(dx, n_top: int):
+    """The fp32 accumulator of dX's rows [0, n_top) in the bytes of the 16-bit dX (row r at
+    bytes [4 r H, 4 (r + 1) H)): n_top <= N // 2 rows fit."""
+    h = dx.shape[1]
+    return dx.view(-1).view(torch.uint8)[:n_top * h * 4].view(torch.float32).view(n_top, h)
 
 
 _FIRST_ROWS_BYTES = 2**20  # (_finish_top_rows' copy; tests make it small)
 
 
 def _finish_top_rows(dx, n_top: int, factor):
-    """dX's rows [0, n_top) from the fp32 accumulator rows that fill dX's own buffer (row r at
-    bytes [4 r H, 4 (r + 1) H)), times the factor and rounded, in place: row r's result goes to
+    """dX's rows [0, n_top) from the fp32 accumulator rows that fill dX's own buffer
+    (top_rows_accumulator), times the factor and rounded, in place: row r's result goes to
     bytes [2 r H, 2 (r + 1) H), over accumulator rows already read. Rows [a, 2a) in one launch
     read bytes [4 a H, 8 a H) and write [2 a H, 4 a H), apart, over the rows [a / 2, a) that
     the launch before read: so doubling ranges, the first (whose result would overlap its own
     sources) through a copy of at most 1 MiB."""
-    h = dx.shape[1]
-    acc = dx.view(-1).view(torch.uint8)[:n_top * h * 4].view(torch.float32).view(n_top, h)
-    a = min(n_top, max(1, _FIRST_ROWS_BYTES // (4 * h)))
+    acc = top_rows_accumulator(dx, n_top)
+    a = min(n_top, max(1, _FIRST_ROWS_BYTES // (4 * dx.shape[1])))
     _times(acc[:a].clone(), factor, out=dx[:a])
     while a < n_top:
         b = min(2 * a, n_top)

@@ -81,20 +81,24 @@ def scalable(sources, dtypes, g: torch.Tensor) -> bool:
                     and dt in _DTYPES for t, dt in zip(sources, dtypes)))
 
 
-def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None) -> list:
+def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None, outs=None) -> list:
     """[(s * g) in dtype for s, dtype] (``scalable``): fp32 products rounded once, in one
     launch; a source of its destination's dtype is scaled in place and returned. ``dx_rows``:
     the first source holds the valid rows only (reference.RowStats.dx_rows); its result has a
-    row per entry of dx_rows."""
+    row per entry of dx_rows. ``outs``: given destinations instead (contiguous, of the dtypes
+    and as many elements as the sources; without dx_rows): the memory-minimal sweeps' fp32
+    chunks rounded into dW's and dX's rows (torch's multiply by a 0-dim tensor into another
+    dtype takes its generic elementwise kernel: H100, 45-55 such roundings took 2.8 ms at the
+    wide heads, 1.1 ms this way, NOTES.md #104)."""
     cfg = config.current()["scale"]
     block = cfg["BLOCK"]
     shapes = [s.shape for s in sources]
     if dx_rows is not None:
         shapes[0] = (dx_rows.shape[0], sources[0].shape[1])
     # (in place only where nothing moves: a compact dx as tall as x is still a permutation)
-    outs = [s if s.dtype == dt and sh == s.shape and not (i == 0 and dx_rows is not None)
-            else torch.empty(sh, dtype=dt, device=s.device)
-            for i, (s, dt, sh) in enumerate(zip(sources, dtypes, shapes))]
+    outs = outs or [s if s.dtype == dt and sh == s.shape and not (i == 0 and dx_rows is not None)
+                    else torch.empty(sh, dtype=dt, device=s.device)
+                    for i, (s, dt, sh) in enumerate(zip(sources, dtypes, shapes))]
     args, programs = [], 0
     rb = hb = 1
     for i in range(3):
@@ -114,17 +118,3 @@ def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None) -> list:
                                   RB=rb, HB=hb, num_warps=cfg["num_warps"])
     return outs
 
-
-def scale_to(src: torch.Tensor, dst: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """dst = src * g, rounded once into dst's dtype, in one vectorized launch (torch's multiply
-    by a 0-dim tensor into another dtype takes its generic elementwise kernel: H100, the
-    memory-minimal sweeps' 45-55 roundings of fp32 dW chunks took 2.8 ms at the wide heads,
-    NOTES.md #104). ``src`` and ``dst`` contiguous, of as many elements; they may be one
-    tensor. Returns dst."""
-    cfg = config.current()["scale"]
-    n = src.numel()
-    if n:
-        scale_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
-            src, dst, n, g, g, 0, g, g, 0, g, g, 0, 0, BLOCK=cfg["BLOCK"], A_ROWS=False, RB=1,
-            HB=1, num_warps=cfg["num_warps"])
-    return dst
