@@ -137,16 +137,25 @@ SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_one_sweep",
 
 @contextlib.contextmanager
 def config_switches(switches):
-    """fused_ce.kernels.config's module switches set to ``switches`` inside, restored after."""
+    """fused_ce.kernels.config's module switches set to ``switches`` inside, restored after.
+    A "section.key" name sets that entry of both GPU tile configurations
+    (``config.CONFIG["gpu" | "gpu_wide"][section][key]``)."""
     from fused_ce.kernels import config
-    saved = {key: getattr(config, key) for key in switches}
-    for key, value in switches.items():
-        setattr(config, key, value)
+    places = []  # (container, key) per switch
+    for name in switches:
+        section, _, key = name.rpartition(".")
+        places.append([(config.CONFIG[c][section], key) for c in ("gpu", "gpu_wide")]
+                      if section else [(vars(config), key)])
+    saved = [[(box, key, box[key]) for box, key in where] for where in places]
+    for where, value in zip(places, switches.values()):
+        for box, key in where:
+            box[key] = value
     try:
         yield
     finally:
-        for key, value in saved.items():
-            setattr(config, key, value)
+        for where in saved:
+            for box, key, value in where:
+                box[key] = value
 
 
 def _with_config(run, **switches):
@@ -202,20 +211,9 @@ def method_fn(name, kind, x, w, b, t, softcap=None):
     if name in ("fused_ce_rowref", "fused_ce_dpass"):
         # the epilogue path with E against one reference per row (kernels/row_ref.py) where it
         # applies, or with every tile's own max and the D pass, whatever the configuration says
-        from fused_ce.kernels import config
         lce, _ = _fused_api()
-        tiles = [config.CONFIG[k]["logits_tiles"] for k in ("gpu", "gpu_wide")]
-
-        def run_row_ref_variant():
-            defaults = [cfg["row_ref"] for cfg in tiles]
-            for cfg in tiles:
-                cfg["row_ref"] = name == "fused_ce_rowref"
-            try:
-                return lce(x, w, t, linear_bias=b, softcap=softcap)
-            finally:
-                for cfg, default in zip(tiles, defaults):
-                    cfg["row_ref"] = default
-        return run_row_ref_variant
+        return _with_config(lambda: lce(x, w, t, linear_bias=b, softcap=softcap),
+                            **{"logits_tiles.row_ref": name == "fused_ce_rowref"})
     if name == "eager":
         if kind == "logsoftmax":
             return lambda: F.log_softmax(F.linear(x, w, b), -1)

@@ -99,25 +99,40 @@ def test_cpu_peers_measures_one(monkeypatch, method):
     assert all(0 <= e <= 1e-5 for e in r["errors"].values()), r["errors"]
 
 
-@pytest.mark.parametrize("method,want", [("fused_ce_lowmem_one_sweep", True),
-                                         ("fused_ce_lowmem_blocks", False)])
-def test_config_variants_hold_through_the_backward(method, want, monkeypatch):
-    """A config variant's switches stay set through the step's backward pass (low_memory
-    computes its gradients there), and are the default's again after the step."""
-    bench = _load("bench")
+def _switch(name):
+    """The current value of bench.config_switches' name: a config module name, or a
+    "section.key" entry of both GPU tile configurations (checked to agree)."""
     from fused_ce.kernels import config
-    default = config.LOW_MEMORY_ONE_SWEEP
+    section, _, key = name.rpartition(".")
+    if not section:
+        return getattr(config, key)
+    values = {config.CONFIG[c][section][key] for c in ("gpu", "gpu_wide")}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+@pytest.mark.parametrize("method,switch,want", [
+    ("fused_ce_lowmem_one_sweep", "LOW_MEMORY_ONE_SWEEP", True),
+    ("fused_ce_lowmem_blocks", "LOW_MEMORY_ONE_SWEEP", False),
+    ("fused_ce_rowref", "logits_tiles.row_ref", True),
+    ("fused_ce_dpass", "logits_tiles.row_ref", False)])
+def test_config_variants_hold_through_the_backward(method, switch, want):
+    """A config variant's switches (module names or tile-configuration entries) stay set
+    through the step's backward pass (low_memory computes its gradients there), and are the
+    default's again after the step."""
+    bench = _load("bench")
+    default = _switch(switch)
     seen = []
 
     class Probe(torch.autograd.Function):  # records the switch in the forward and backward
         @staticmethod
         def forward(ctx, v):
-            seen.append(("forward", config.LOW_MEMORY_ONE_SWEEP))
+            seen.append(("forward", _switch(switch)))
             return v.clone()
 
         @staticmethod
         def backward(ctx, g):
-            seen.append(("backward", config.LOW_MEMORY_ONE_SWEEP))
+            seen.append(("backward", _switch(switch)))
             return g
 
     x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
@@ -125,6 +140,6 @@ def test_config_variants_hold_through_the_backward(method, want, monkeypatch):
     probed = bench._with_config(lambda: Probe.apply(fn()), **fn.switches)
     loss = bench.forward_backward(method, "ce", probed, [x, w, b])()
     assert seen == [("forward", want), ("backward", want)]
-    assert config.LOW_MEMORY_ONE_SWEEP == default
+    assert _switch(switch) == default
     torch.testing.assert_close(loss.double(), _loss64(x, w, b, t), rtol=1e-5, atol=1e-6)
     assert x.grad is not None and w.grad is not None
