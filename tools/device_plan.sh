@@ -174,6 +174,11 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
 final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
     tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
+s38)  # ~460 s (thirty-eighth session, one call left after failed starts): all the GPU tests,
+    # then the wide heads with their peers and low_memory (on an H200 with Cut CE too)
+    tests; m=fused_ce,fused_ce_lowmem,compile,liger,floor; t=150
+    case "$gpu" in *H200*) m=$m,cce; t=200 ;; esac
+    wide $t 300 gemma2,llama3 $m wide ;;
 host_alpha)  # ~300 s (thirty-seventh session, NOTES.md #105): the GPU tests of the sweeps,
     # low_memory at the wide heads in this tree and ab_prev (the tree before #105: mkdir
     # ab_prev && git archive e8ec71e fused_ce benchmarks/bench.py | tar -x -C ab_prev), new
