@@ -408,7 +408,7 @@ def print_table(rows):
               f"{r['grads_mib']:6.0f}  {e}")
 
 
-def plots(rows, out):
+def plots(rows, out, gpu):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -434,7 +434,8 @@ def plots(rows, out):
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"H200 bf16, issue shapes, against {'vocabulary' if xkey == 'V' else 'tokens'}")
+        fig.suptitle(f"{gpu}, bf16, issue shapes, against "
+                     f"{'vocabulary' if xkey == 'V' else 'tokens'}")
         fig.tight_layout()
         fig.savefig(os.path.join(out, fname), dpi=110)
         plt.close(fig)
@@ -479,14 +480,15 @@ def main(argv=None):
                 json.dump({"rows": rows}, f, indent=1)
             torch.cuda.empty_cache()
             torch._dynamo.reset()
-    meta = {"date": datetime.datetime.utcnow().isoformat() + "Z",
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {"date": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "command": " ".join(sys.argv)}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n", meta)
     print_table(rows)
-    plots(rows, args.out)
+    plots(rows, args.out, meta["gpu"])
 
 
 if __name__ == "__main__":

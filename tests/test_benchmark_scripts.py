@@ -143,3 +143,23 @@ def test_config_variants_hold_through_the_backward(method, switch, want):
     assert _switch(switch) == default
     torch.testing.assert_close(loss.double(), _loss64(x, w, b, t), rtol=1e-5, atol=1e-6)
     assert x.grad is not None and w.grad is not None
+
+
+def test_bench_plots_name_the_device(tmp_path, monkeypatch):
+    """bench.py's plots: both PNGs written from a table's rows (rows with errors, partial
+    batches and log-softmax rows left out), titled with the GPU the rows came from."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+    bench = _load("bench")
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda self, text, **kw: titles.append(text))
+    row = dict(kind="ce", valid_frac=1.0, N=8192, V=30258, ms=3.1, peak_mib=465.0)
+    rows = [dict(row, method="fused_ce"), dict(row, method="floor", ms=2.3, peak_mib=75.0),
+            dict(row, method="fused_ce", V=128256, N=16384, ms=80.0, peak_mib=3390.0),
+            dict(row, method="fused_ce", valid_frac=0.15),
+            {"shape": "bert8k", "method": "liger", "kind": "ce", "error": "ImportError"}]
+    bench.plots(rows, str(tmp_path), "NVIDIA H100 80GB HBM3")
+    assert sorted(os.listdir(tmp_path)) == ["vs_tokens.png", "vs_vocab.png"]
+    assert all(p.stat().st_size > 0 for p in tmp_path.iterdir())
+    assert len(titles) == 2 and all(t.startswith("NVIDIA H100 80GB HBM3, bf16") for t in titles)
