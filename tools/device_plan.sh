@@ -174,6 +174,19 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
 final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
     tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
+dbytes)  # ~200 s (thirty-eighth session): low_memory with D_BYTES_LOW_MEMORY 8 (default), 12
+    # and 14 MiB (fewer dW chunks: fewer launches where it is launch-bound), BERT's heads
+    # twice, then the wide heads once (DB_SIZES, DB_ROUNDS, DB_SHAPES, DB_WIDE=0: fewer)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      >/dev/null 2>&1
+    db() { echo "== D_BYTES_LOW_MEMORY $1 MiB, $2"; PYTHONPATH=/tmp/site timeout 100 python3 \
+      tools/bench_tiles_config.py "{\"config.D_BYTES_LOW_MEMORY\": $(($1 * 1048576))}" \
+      --out /tmp/ab --rep-ms 200 --warmup-ms 50 --warmup-steps 2 --shapes $2 \
+      --methods fused_ce_lowmem 2>&1 | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm) " | sort -u; }
+    { for r in $(seq ${DB_ROUNDS:-2}); do for d in ${DB_SIZES:-8 12 14}; do
+        db $d ${DB_SHAPES:-bert8k,mlm,bert16k}; done; done
+      [ "${DB_WIDE:-1}" = 1 ] && for d in 8 14; do db $d gemma2,llama3; done; } \
+      | tee "$OUT/dbytes.log" ;;
 s38)  # ~460 s (thirty-eighth session, one call left after failed starts): all the GPU tests,
     # then the wide heads with their peers and low_memory (on an H200 with Cut CE too)
     tests; m=fused_ce,fused_ce_lowmem,compile,liger,floor; t=150
