@@ -174,6 +174,13 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
 final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
     tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
+next38)  # the next session's first call (~450 s): on an H200 the README's table (final37's
+    # rows); elsewhere #108's A/B (dbytes), then the wide heads with their peers
+    case "$gpu" in
+      *H200*) PART=final37 bash tools/device_plan.sh ;;
+      *) PART=dbytes bash tools/device_plan.sh
+        wide 150 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
+    esac ;;
 dbytes)  # ~200 s (thirty-eighth session): low_memory with D_BYTES_LOW_MEMORY 8 (default), 12
     # and 14 MiB (fewer dW chunks: fewer launches where it is launch-bound), BERT's heads
     # twice, then the wide heads once (DB_SIZES, DB_ROUNDS, DB_SHAPES, DB_WIDE=0: fewer)
