@@ -135,17 +135,25 @@ SOFTCAP_METHODS = ("fused_ce", "fused_ce_lowmem", "fused_ce_lowmem_one_sweep",
                    "compile", "fused_ce_graphs", "compile_graphs", "liger", "cce", "floor")
 
 
+def _switch_places(config, name):
+    """[(dict, key)] where config_switches' ``name`` lives: a config module name, or
+    "section.key", that entry of both GPU tile configurations. An unknown name raises."""
+    section, _, key = name.rpartition(".")
+    boxes = ([config.CONFIG[c].get(section) for c in ("gpu", "gpu_wide")] if section
+             else [vars(config)])
+    if any(box is None or key not in box for box in boxes):
+        raise KeyError(f"config switch {name!r}: expected a fused_ce.kernels.config name or "
+                       f"'section.key' of its GPU tile configurations")
+    return [(box, key) for box in boxes]
+
+
 @contextlib.contextmanager
 def config_switches(switches):
     """fused_ce.kernels.config's module switches set to ``switches`` inside, restored after.
     A "section.key" name sets that entry of both GPU tile configurations
     (``config.CONFIG["gpu" | "gpu_wide"][section][key]``)."""
     from fused_ce.kernels import config
-    places = []  # (container, key) per switch
-    for name in switches:
-        section, _, key = name.rpartition(".")
-        places.append([(config.CONFIG[c][section], key) for c in ("gpu", "gpu_wide")]
-                      if section else [(vars(config), key)])
+    places = [_switch_places(config, name) for name in switches]
     saved = [[(box, key, box[key]) for box, key in where] for where in places]
     for where, value in zip(places, switches.values()):
         for box, key in where:

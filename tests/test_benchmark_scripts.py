@@ -163,3 +163,38 @@ def test_bench_plots_name_the_device(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["vs_tokens.png", "vs_vocab.png"]
     assert all(p.stat().st_size > 0 for p in tmp_path.iterdir())
     assert len(titles) == 2 and all(t.startswith("NVIDIA H100 80GB HBM3, bf16") for t in titles)
+
+
+def test_bench_tiles_config_sets_switches_for_the_script(tmp_path):
+    """tools/bench_tiles_config.py runs the named script with its overrides set (a bare key in
+    logits_tiles, "section.key", "config." module names) in both GPU tile configurations; an
+    unknown name fails with its name before the script runs."""
+    import subprocess
+    import sys
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys\nfrom fused_ce.kernels import config\n"
+        "print('args', sys.argv[1:])\n"
+        "for c in ('gpu', 'gpu_wide'):\n"
+        "    print(c, config.CONFIG[c]['logits_tiles']['split'],"
+        " config.CONFIG[c]['grad_logits']['GROUP_M'])\n"
+        "print('rows', config.ROW_CHUNKS_FEW)\n")
+    tool = os.path.join(ROOT, "tools", "bench_tiles_config.py")
+
+    def run(overrides):
+        return subprocess.run([sys.executable, tool, overrides, str(probe), "--x", "1"],
+                              capture_output=True, text=True, cwd=ROOT)
+    from fused_ce.kernels import config
+    split = 1 + config.CONFIG["gpu"]["logits_tiles"]["split"]
+    group = 3 + config.CONFIG["gpu"]["grad_logits"]["GROUP_M"]
+    rows = 5 + config.ROW_CHUNKS_FEW
+    done = run(f'{{"split": {split}, "grad_logits.GROUP_M": {group}, '
+               f'"config.ROW_CHUNKS_FEW": {rows}}}')
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "args ['--x', '1']" in lines
+    assert f"gpu {split} {group}" in lines and f"gpu_wide {split} {group}" in lines
+    assert f"rows {rows}" in lines
+    bad = run('{"grad_logits.NO_SUCH_KEY": 1}')
+    assert bad.returncode != 0 and "grad_logits.NO_SUCH_KEY" in bad.stderr
+    assert "args" not in bad.stdout

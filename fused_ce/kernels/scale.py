@@ -117,4 +117,3 @@ def scale_into(sources, dtypes, g: torch.Tensor, dx_rows=None, outs=None) -> lis
         scale_kernel[(programs,)](*args, g, *rows, BLOCK=block, A_ROWS=dx_rows is not None,
                                   RB=rb, HB=hb, num_warps=cfg["num_warps"])
     return outs
-
