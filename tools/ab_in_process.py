@@ -2,6 +2,7 @@
 
     mkdir ab_old && git archive REV fused_ce | tar -x -C ab_old
     python tools/ab_in_process.py --old ab_old [--shapes mlm,mlm_eval] [--rounds 30] [--softcap C]
+        [--low-memory]
 
 Separate processes of the same code measured MLM 1.39-1.45 ms on one host and 2.13-2.83 on
 another (NOTES.md, twenty-sixth session): the host sets the pace there, and a process's
@@ -65,12 +66,13 @@ def inputs(shape: str, device: str):
     return x, w, b, t, "eval" if shape.endswith("_eval") else "ce"
 
 
-def stepper(pkg, x, w, b, t, kind: str, softcap=None):
+def stepper(pkg, x, w, b, t, kind: str, softcap=None, low_memory=False):
     """bench.py's step (forward + backward, or the loss under no_grad) of ``pkg``'s loss."""
     params = [p for p in (x, w, b) if p is not None]
     return bench.forward_backward(
         "fused_ce", kind,
-        lambda: pkg.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap), params)
+        lambda: pkg.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap,
+                                         low_memory=low_memory), params)
 
 
 def ms_per_step(step, steps: int) -> float:
@@ -96,13 +98,14 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--softcap", type=float, default=None,
                     help="the loss's softcap (training then takes the fp32-logits path)")
+    ap.add_argument("--low-memory", action="store_true", help="both trees' low_memory=True")
     args = ap.parse_args()
     old = import_renamed(args.old)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape in args.shapes.split(","):
         x, w, b, t, kind = inputs(shape, device)
-        steps = {"old": stepper(old, x, w, b, t, kind, args.softcap),
-                 "new": stepper(fused_ce, x, w, b, t, kind, args.softcap)}
+        steps = {name: stepper(pkg, x, w, b, t, kind, args.softcap, args.low_memory)
+                 for name, pkg in (("old", old), ("new", fused_ce))}
         for step in steps.values():  # compile and warm up
             ms_per_step(step, 3)
         times = {"old": [], "new": []}
