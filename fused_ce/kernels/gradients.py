@@ -443,8 +443,8 @@ def _low_memory_one_sweep(p: Problem, lse, cf, scale, vc: int, layout, *, dx, dw
     D per chunk where the accumulator has a place that nothing else needs until the end: a
     16-bit dX's own buffer holds exactly half of it (rows [0, n_top)), dW's last rows (unwritten
     until the end) the rest. With v1 the first part's end:
-      1. columns [v1, V): D in dW's rows before the accumulator (its own 8 MiB where dX is
-         fp32 and the whole accumulator), only for dX's products;
+      1. columns [v1, V): D in dW's rows before the accumulator (its own D_BYTES_LOW_MEMORY
+         where dX is fp32 and the whole accumulator), only for dX's products;
       2. columns [0, v1): per chunk, D (and an fp32 dW chunk where the factor is on the
          device only) in dW's rows past it; dW[chunk] finished, D W[chunk] added into the
          accumulator; then dX finished from the accumulator (its half in dX's buffer in place,
