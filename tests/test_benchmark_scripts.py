@@ -198,3 +198,27 @@ def test_bench_tiles_config_sets_switches_for_the_script(tmp_path):
     bad = run('{"grad_logits.NO_SUCH_KEY": 1}')
     assert bad.returncode != 0 and "grad_logits.NO_SUCH_KEY" in bad.stderr
     assert "args" not in bad.stdout
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_ab_in_process_steps_compute_the_same_loss_in_both_trees(low_memory, monkeypatch):
+    """tools/ab_in_process.py: a renamed copy of this tree (the "old" side) imported beside
+    fused_ce, and both trees' steps (``--low-memory``: low_memory=True) give float64 PyTorch's
+    loss and gradients, so an A/B times the same computation on both sides."""
+    import sys
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tool adds its folders and the copy's
+    spec = importlib.util.spec_from_file_location(
+        "_ab_in_process", os.path.join(ROOT, "tools", "ab_in_process.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    old = ab.import_renamed(ROOT)
+    assert old.__name__ == "fused_ce_old" and old.linear_cross_entropy.__module__.startswith(
+        "fused_ce_old")
+    x, w, b, t = _inputs(7)
+    ref = _loss64(x, w, b, t)
+    ref_grads = torch.autograd.grad(ref, (x, w, b))  # float64 sums, rounded to fp32
+    for pkg in (old, ab.fused_ce):
+        loss = ab.stepper(pkg, x, w, b, t, "ce", low_memory=low_memory)()
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+        for p, g in zip((x, w, b), ref_grads):
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
