@@ -181,9 +181,10 @@ next38)  # the next session's first call (~450 s): on an H200 the README's table
       *) PART=dbytes bash tools/device_plan.sh
         wide 150 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
     esac ;;
-dbytes)  # ~200 s (thirty-eighth session): low_memory with D_BYTES_LOW_MEMORY 8 (default), 12
-    # and 14 MiB (fewer dW chunks: fewer launches where it is launch-bound), BERT's heads
-    # twice, then the wide heads once (DB_SIZES, DB_ROUNDS, DB_SHAPES, DB_WIDE=0: fewer)
+dbytes)  # ~200 s (thirty-eighth session): low_memory with D_BYTES_LOW_MEMORY 8 (then the
+    # default), 12 and 14 MiB (fewer dW chunks: fewer launches where it is launch-bound),
+    # BERT's heads twice, then the wide heads once (DB_SIZES, DB_ROUNDS, DB_SHAPES, DB_WIDE=0:
+    # fewer); NOTES.md #108 adopted 12 from it and tools/ab_in_process.py --low-memory
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
       >/dev/null 2>&1
     db() { echo "== D_BYTES_LOW_MEMORY $1 MiB, $2"; PYTHONPATH=/tmp/site timeout 100 python3 \
