@@ -174,6 +174,13 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
 final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
     tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
+trade40)  # ~400 s (fortieth session, RESULTS.md AL): fused_ce and torch.compile alternating
+    # three times in one process at the wide heads (which of the two is ahead at Llama-3's head
+    # changed from call to call on the H100, RESULTS.md AH-AK), no error columns
+    for sh in llama3 gemma2; do PYTHONPATH=/tmp/site timeout 200 python3 benchmarks/bench.py \
+        --out /tmp/trade --rep-ms 1000 --warmup-steps 3 --no-errors --shapes $sh \
+        --methods fused_ce,compile,fused_ce,compile,fused_ce,compile,floor 2>&1 \
+        | grep -E "^(llama3|gemma2) " | awk '!seen[$0]++'; done | tee "$OUT/trade40.log" ;;
 next38)  # the next session's first call (~450 s): on an H200 the README's table (final37's
     # rows); elsewhere #108's A/B (dbytes), then the wide heads with their peers
     case "$gpu" in

@@ -1,0 +1,72 @@
+"""Methods timed as a training loop runs them: steps back to back, one pair of CUDA events
+around each run of steps, the methods alternating round by round in one process.
+
+    python tools/steps_back_to_back.py --shapes llama3 --methods fused_ce,compile --rounds 3
+
+``benchmarks/bench.py`` times each step on its own (``triton.testing.do_bench``: the L2 cache
+flushed before every step, one pair of events per step). A loss that waits once on the host
+(fused_ce's count of valid rows) leaves the GPU idle for that wait there; back to back, the host
+may run ahead of the GPU as in training. Methods and shapes are bench.py's. Prints, per round,
+the mean ms per step of each method.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench  # noqa: E402
+
+
+def timed_steps(step, steps: int) -> float:
+    """Mean ms per step of ``steps`` calls of ``step`` issued back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama3")
+    ap.add_argument("--methods", default="fused_ce,compile")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("steps_back_to_back.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for shape in args.shapes.split(","):
+        # a fresh compile per shape, as bench.py's: a second shape in one dynamo cache is
+        # recompiled with dynamic sizes (other kernels)
+        torch._dynamo.reset()
+        x, w, b, t = bench.make_inputs(shape)
+        kind = bench.SHAPES[shape][5]
+        params = [p for p in (x, w, b) if p is not None]
+        steps = {}
+        for name in args.methods.split(","):
+            steps[name] = bench.forward_backward(
+                name, kind, bench.method_fn(name, kind, x, w, b, t, bench.SOFTCAP.get(shape)),
+                params)
+            for _ in range(args.warmup_steps):
+                steps[name]()
+        times = {name: [] for name in steps}
+        for r in range(args.rounds):
+            for name, step in steps.items():
+                times[name].append(timed_steps(step, args.steps))
+            print(f"{shape} round {r + 1}: "
+                  + "  ".join(f"{n} {ts[-1]:.3f}" for n, ts in times.items()), flush=True)
+        print(f"{shape} median: "
+              + "  ".join(f"{n} {statistics.median(ts):.3f}" for n, ts in times.items()))
+
+
+if __name__ == "__main__":
+    main()
