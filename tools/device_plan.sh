@@ -174,7 +174,7 @@ final37)  # the thirty-seventh session's last calls (~450 s each). On an H200: t
 final37b)  # ~420 s: all the GPU tests, then the wide heads with their peers and low_memory
     tests; wide 170 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,floor wide ;;
 tests) tests ;;
-trade40)  # ~400 s (fortieth session, RESULTS.md AL): fused_ce and torch.compile alternating
+trade40)  # ~90 s (fortieth session, RESULTS.md AL): fused_ce and torch.compile alternating
     # three times in one process at the wide heads (which of the two is ahead at Llama-3's head
     # changed from call to call on the H100, RESULTS.md AH-AK), no error columns
     for sh in llama3 gemma2; do PYTHONPATH=/tmp/site timeout 200 python3 benchmarks/bench.py \
