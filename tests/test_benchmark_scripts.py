@@ -222,3 +222,27 @@ def test_ab_in_process_steps_compute_the_same_loss_in_both_trees(low_memory, mon
         torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
         for p, g in zip((x, w, b), ref_grads):
             torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+
+
+def test_steps_back_to_back_prepared_step_uses_one_scan_per_step(monkeypatch):
+    """tools/steps_back_to_back.py's ``fused_ce_prepared``: each step takes one of the scans
+    ``prepare`` made (fused_ce.prepare_targets) and gives float64 PyTorch's loss and gradients;
+    a step beyond them fails instead of reusing one."""
+    import sys
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tool adds its folders
+    spec = importlib.util.spec_from_file_location(
+        "_steps_back_to_back", os.path.join(ROOT, "tools", "steps_back_to_back.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
+    ref = _loss64(x, w, b, t)
+    ref_grads = torch.autograd.grad(ref, (x, w, b))
+    step = tool.make_step("fused_ce_prepared", "ce", x, w, b, t, [x, w, b])
+    step.prepare(2)
+    for _ in range(2):
+        loss = step()
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+        for p, g in zip((x, w, b), ref_grads):
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError):
+        step()

@@ -181,6 +181,11 @@ trade40)  # ~90 s (fortieth session, RESULTS.md AL): fused_ce and torch.compile 
         --out /tmp/trade --rep-ms 1000 --warmup-steps 3 --no-errors --shapes $sh \
         --methods fused_ce,compile,fused_ce,compile,fused_ce,compile,floor 2>&1 \
         | grep -E "^(llama3|gemma2) " | awk '!seen[$0]++'; done | tee "$OUT/trade40.log" ;;
+prepared41)  # ~90 s (NOTES.md #110's test): fused_ce with and without its targets prepared
+    # before the timed steps, and torch.compile, ten steps back to back, four rounds alternating
+    timeout 240 python3 tools/steps_back_to_back.py --shapes llama3,gemma2 \
+      --methods fused_ce,fused_ce_prepared,compile --rounds 4 --steps 10 2>&1 \
+      | grep -E "^(llama3|gemma2) " | tee "$OUT/prepared41.log" ;;
 next38)  # the next session's first call (~450 s): on an H200 the README's table (final37's
     # rows); elsewhere #108's A/B (dbytes), then the wide heads with their peers
     case "$gpu" in

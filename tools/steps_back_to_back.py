@@ -6,8 +6,10 @@ around each run of steps, the methods alternating round by round in one process.
 ``benchmarks/bench.py`` times each step on its own (``triton.testing.do_bench``: the L2 cache
 flushed before every step, one pair of events per step). A loss that waits once on the host
 (fused_ce's count of valid rows) leaves the GPU idle for that wait there; back to back, the host
-may run ahead of the GPU as in training. Methods and shapes are bench.py's. Prints, per round,
-the mean ms per step of each method.
+may run ahead of the GPU as in training. Methods and shapes are bench.py's, plus
+``fused_ce_prepared``: fused_ce with each step's targets scanned before the timed steps
+(``fused_ce.prepare_targets``, as the HF adapter does before a model's forward pass), so that
+nothing waits on the host inside a step. Prints, per round, the mean ms per step of each method.
 """
 import argparse
 import os
@@ -20,10 +22,43 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench  # noqa: E402
 
+import fused_ce  # noqa: E402
+
+
+def prepared_step(x, w, b, t, params, softcap=None):
+    """fused_ce's forward + backward taking its targets' scans from a queue that
+    ``step.prepare(n)`` fills (n scans, finished before it returns)."""
+    queue = []
+
+    def prepare(n: int):
+        queue[:] = [fused_ce.prepare_targets(t, w.shape[0]) for _ in range(n)]
+        if t.is_cuda:
+            torch.cuda.synchronize()
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap,
+                                             prepared_targets=queue.pop(0))
+        loss.backward()
+        return loss
+
+    step.prepare = prepare
+    return step
+
+
+def make_step(name, kind, x, w, b, t, params, softcap=None):
+    if name == "fused_ce_prepared":
+        return prepared_step(x, w, b, t, params, softcap)
+    return bench.forward_backward(name, kind, bench.method_fn(name, kind, x, w, b, t, softcap),
+                                  params)
+
 
 def timed_steps(step, steps: int) -> float:
     """Mean ms per step of ``steps`` calls of ``step`` issued back to back."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if hasattr(step, "prepare"):
+        step.prepare(steps)
     torch.cuda.synchronize()
     start.record()
     for _ in range(steps):
@@ -53,9 +88,9 @@ def main(argv=None):
         params = [p for p in (x, w, b) if p is not None]
         steps = {}
         for name in args.methods.split(","):
-            steps[name] = bench.forward_backward(
-                name, kind, bench.method_fn(name, kind, x, w, b, t, bench.SOFTCAP.get(shape)),
-                params)
+            steps[name] = make_step(name, kind, x, w, b, t, params, bench.SOFTCAP.get(shape))
+            if hasattr(steps[name], "prepare"):
+                steps[name].prepare(args.warmup_steps)
             for _ in range(args.warmup_steps):
                 steps[name]()
         times = {name: [] for name in steps}
