@@ -314,6 +314,23 @@ def forward_backward(name, kind, fn, params):
     return step
 
 
+def ms_per_step(step, steps: int) -> float:
+    """Mean ms per step of ``steps`` calls of ``step`` issued back to back, as a training loop
+    issues them (one pair of CUDA events around them all; perf_counter on a CPU)."""
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def reference_fp32(kind, x, w, b, t, softcap=None):
     """fp32 logits from the same bf16 inputs (softcapped with ``softcap``); loss and grads in
     fp32 (no TF32)."""

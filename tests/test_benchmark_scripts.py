@@ -12,9 +12,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}",
-                                                  os.path.join(ROOT, "benchmarks", f"{name}.py"))
+def _load(name, folder="benchmarks"):
+    spec = importlib.util.spec_from_file_location(f"_{folder}_{name}",
+                                                  os.path.join(ROOT, folder, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -207,10 +207,7 @@ def test_ab_in_process_steps_compute_the_same_loss_in_both_trees(low_memory, mon
     loss and gradients, so an A/B times the same computation on both sides."""
     import sys
     monkeypatch.setattr(sys, "path", list(sys.path))  # the tool adds its folders and the copy's
-    spec = importlib.util.spec_from_file_location(
-        "_ab_in_process", os.path.join(ROOT, "tools", "ab_in_process.py"))
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _load("ab_in_process", "tools")
     old = ab.import_renamed(ROOT)
     assert old.__name__ == "fused_ce_old" and old.linear_cross_entropy.__module__.startswith(
         "fused_ce_old")
@@ -227,13 +224,11 @@ def test_ab_in_process_steps_compute_the_same_loss_in_both_trees(low_memory, mon
 def test_steps_back_to_back_prepared_step_uses_one_scan_per_step(monkeypatch):
     """tools/steps_back_to_back.py's ``fused_ce_prepared``: each step takes one of the scans
     ``prepare`` made (fused_ce.prepare_targets) and gives float64 PyTorch's loss and gradients;
-    a step beyond them fails instead of reusing one."""
+    a step beyond them fails instead of reusing one; ``timed_steps`` prepares as many as it
+    times."""
     import sys
     monkeypatch.setattr(sys, "path", list(sys.path))  # the tool adds its folders
-    spec = importlib.util.spec_from_file_location(
-        "_steps_back_to_back", os.path.join(ROOT, "tools", "steps_back_to_back.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _load("steps_back_to_back", "tools")
     x, w, b, t = _inputs(int(torch.randint(0, 2**31, ())))
     ref = _loss64(x, w, b, t)
     ref_grads = torch.autograd.grad(ref, (x, w, b))
@@ -244,5 +239,8 @@ def test_steps_back_to_back_prepared_step_uses_one_scan_per_step(monkeypatch):
         torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
         for p, g in zip((x, w, b), ref_grads):
             torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError):
+        step()
+    assert tool.timed_steps(step, 3) > 0  # makes its own three scans, uses them all
     with pytest.raises(IndexError):
         step()

@@ -22,7 +22,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -75,21 +74,6 @@ def stepper(pkg, x, w, b, t, kind: str, softcap=None, low_memory=False):
                                          low_memory=low_memory), params)
 
 
-def ms_per_step(step, steps: int) -> float:
-    if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return 1e3 * (time.perf_counter() - t0) / steps
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True, help="a folder holding the old tree's fused_ce/")
@@ -107,11 +91,11 @@ def main():
         steps = {name: stepper(pkg, x, w, b, t, kind, args.softcap, args.low_memory)
                  for name, pkg in (("old", old), ("new", fused_ce))}
         for step in steps.values():  # compile and warm up
-            ms_per_step(step, 3)
+            bench.ms_per_step(step, 3)
         times = {"old": [], "new": []}
         for r in range(args.rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                times[name].append(ms_per_step(steps[name], args.steps))
+                times[name].append(bench.ms_per_step(steps[name], args.steps))
         ratios = sorted(n / o for n, o in zip(times["new"], times["old"]))
         print(f"{shape:10s} old {statistics.median(times['old']):.3f} ms  new "
               f"{statistics.median(times['new']):.3f} ms  new/old median "

@@ -25,8 +25,8 @@ import bench  # noqa: E402
 import fused_ce  # noqa: E402
 
 
-def prepared_step(x, w, b, t, params, softcap=None):
-    """fused_ce's forward + backward taking its targets' scans from a queue that
+def prepared_step(kind, x, w, b, t, params, softcap=None):
+    """bench.py's fused_ce step taking its targets' scans from a queue that
     ``step.prepare(n)`` fills (n scans, finished before it returns)."""
     queue = []
 
@@ -35,37 +35,26 @@ def prepared_step(x, w, b, t, params, softcap=None):
         if t.is_cuda:
             torch.cuda.synchronize()
 
-    def step():
-        for p in params:
-            p.grad = None
-        loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap,
-                                             prepared_targets=queue.pop(0))
-        loss.backward()
-        return loss
-
+    step = bench.forward_backward(
+        "fused_ce", kind,
+        lambda: fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, softcap=softcap,
+                                              prepared_targets=queue.pop(0)), params)
     step.prepare = prepare
     return step
 
 
 def make_step(name, kind, x, w, b, t, params, softcap=None):
     if name == "fused_ce_prepared":
-        return prepared_step(x, w, b, t, params, softcap)
+        return prepared_step(kind, x, w, b, t, params, softcap)
     return bench.forward_backward(name, kind, bench.method_fn(name, kind, x, w, b, t, softcap),
                                   params)
 
 
 def timed_steps(step, steps: int) -> float:
-    """Mean ms per step of ``steps`` calls of ``step`` issued back to back."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """``bench.ms_per_step``, with a prepared step's scans made before the timed steps."""
     if hasattr(step, "prepare"):
         step.prepare(steps)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return bench.ms_per_step(step, steps)
 
 
 def main(argv=None):
@@ -89,10 +78,7 @@ def main(argv=None):
         steps = {}
         for name in args.methods.split(","):
             steps[name] = make_step(name, kind, x, w, b, t, params, bench.SOFTCAP.get(shape))
-            if hasattr(steps[name], "prepare"):
-                steps[name].prepare(args.warmup_steps)
-            for _ in range(args.warmup_steps):
-                steps[name]()
+            timed_steps(steps[name], args.warmup_steps)  # compile and warm up
         times = {name: [] for name in steps}
         for r in range(args.rounds):
             for name, step in steps.items():
