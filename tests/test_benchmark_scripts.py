@@ -244,3 +244,24 @@ def test_steps_back_to_back_prepared_step_uses_one_scan_per_step(monkeypatch):
     assert tool.timed_steps(step, 3) > 0  # makes its own three scans, uses them all
     with pytest.raises(IndexError):
         step()
+
+
+def test_steps_back_to_back_clock_means_keep_samples_inside_the_windows(monkeypatch):
+    """tools/steps_back_to_back.py's ``--clocks``: the mean SM clock and power of nvidia-smi's
+    samples inside a method's timed windows, samples outside them, headers and "[N/A]" fields
+    left out; no sample in a window gives None."""
+    import datetime
+    import sys
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    tool = _load("steps_back_to_back", "tools")
+    t = datetime.datetime(2026, 12, 7, 17, 0, 0)
+    s = datetime.timedelta(seconds=1)
+    lines = ["timestamp, clocks.current.sm [MHz], power.draw [W]\n",
+             "2026/12/07 17:00:00.500, 1980, 600.0\n",   # in window 1
+             "2026/12/07 17:00:02.000, 1500, 700.0\n",   # between the windows
+             "2026/12/07 17:00:03.250, 1780, 650.5\n",   # in window 2
+             "2026/12/07 17:00:03.300, [N/A], 650.0\n",  # no clock: left out
+             "2026/12/07 17:00:03.4"]                    # cut off: left out
+    mhz, watts, n = tool.clock_means(lines, [(t, t + s), (t + 3 * s, t + 4 * s)])
+    assert n == 2 and mhz == (1980 + 1780) / 2 and watts == (600.0 + 650.5) / 2
+    assert tool.clock_means(lines, [(t + 10 * s, t + 11 * s)]) is None

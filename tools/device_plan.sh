@@ -186,6 +186,14 @@ prepared41)  # ~90 s (NOTES.md #110's test): fused_ce with and without its targe
     timeout 240 python3 tools/steps_back_to_back.py --shapes llama3,gemma2 \
       --methods fused_ce,fused_ce_prepared,compile --rounds 4 --steps 10 2>&1 \
       | grep -E "^(llama3|gemma2) " | tee "$OUT/prepared41.log" ;;
+clocks41)  # ~100 s (forty-first session, NOTES.md #110): fused_ce and torch.compile back to
+    # back, four rounds alternating, with each method's mean SM clock and power draw over its
+    # timed runs (nvidia-smi every 50 ms): whether fused_ce's per-step time above its GPU busy
+    # time is clocks
+    nvidia-smi --query-gpu=power.limit,clocks.max.sm --format=csv | tee "$OUT/clocks41.log"
+    timeout 240 python3 tools/steps_back_to_back.py --shapes llama3,gemma2 \
+      --methods fused_ce,compile --rounds 4 --steps 10 --clocks 2>&1 \
+      | grep -E "^(llama3|gemma2) " | tee -a "$OUT/clocks41.log" ;;
 next38)  # the next session's first call (~450 s): on an H200 the README's table (final37's
     # rows); elsewhere #108's A/B (dbytes), then the wide heads with their peers
     case "$gpu" in
