@@ -7,6 +7,8 @@ what was expected and what came.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -59,18 +61,23 @@ def check_same_device(tensors: dict) -> None:
         raise ValueError(f"expected all tensors on one device, got {listing}")
 
 
-def check_dtypes(tensors: dict) -> None:
-    """Outside autocast, like ``F.linear``, every operand must have one dtype."""
+def check_dtypes(tensors: dict, autocast_dtype: Optional[torch.dtype] = None) -> None:
+    """Like ``F.linear``, every operand must have one dtype: outside autocast as given, under
+    it after autocast's casts (``tensors`` as cast: float64 stays float64)."""
     dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n} is {d}" for n, d in dtypes.items())
-        raise TypeError(f"expected input, linear_weight and linear_bias of one dtype "
-                        f"(or torch.autocast), got {listing}")
+        where = ("(or torch.autocast)" if autocast_dtype is None else
+                 f"under torch.autocast to {autocast_dtype}, which leaves float64 as it is")
+        raise TypeError(f"expected input, linear_weight and linear_bias of one dtype {where}, "
+                        f"got {listing}")
 
 
 def check_loss_options(target: Tensor, input: Tensor, vocab: int, weight: Optional[Tensor],
                        reduction: str, ignore_index: int, label_smoothing: float, z_loss: float,
-                       softcap: Optional[float]) -> None:
+                       softcap: Optional[float]) -> tuple:
+    """The loss's target, class weights and options (check_options: returned as Python
+    numbers)."""
     check_tensor("target", target, floating=False)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target: expected an int64 (or int32) tensor of class indices, got {target.dtype}")
@@ -82,23 +89,45 @@ def check_loss_options(target: Tensor, input: Tensor, vocab: int, weight: Option
         if tuple(weight.shape) != (vocab,):
             raise ValueError(f"weight: expected class weights of shape ({vocab},), got {tuple(weight.shape)}")
     check_same_device({"input": input, "target": target, "weight": weight})
-    check_options(reduction, ignore_index, label_smoothing, z_loss, softcap)
+    return check_options(reduction, ignore_index, label_smoothing, z_loss, softcap)
+
+
+def _as_int(value):
+    """An integer option as F.cross_entropy takes it (a Python or NumPy int, an integer tensor
+    of one element), else None; never a bool or a float."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _as_float(value):
+    """A real option as F.cross_entropy takes it (a Python or NumPy number, a 0-d tensor),
+    else None."""
+    if isinstance(value, Tensor):
+        return float(value) if value.dim() == 0 and not value.is_complex() else None
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 def check_options(reduction: str, ignore_index: int, label_smoothing: float, z_loss: float,
-                  softcap: Optional[float]) -> None:
-    """The non-tensor options of the loss (also checked when a loss module is built)."""
+                  softcap: Optional[float]) -> tuple:
+    """The non-tensor options of the loss (also checked when a loss module is built), returned
+    as Python numbers: (reduction, ignore_index, label_smoothing, z_loss, softcap)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    index = _as_int(ignore_index)
+    if index is None:
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    smoothing, z, cap = (_as_float(v) for v in (label_smoothing, z_loss, softcap))
+    if smoothing is None or not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing: expected a float in [0.0, 1.0], got {label_smoothing!r}")
-    if not isinstance(z_loss, (int, float)) or not (math.isfinite(z_loss) and z_loss >= 0):
+    if z is None or not (math.isfinite(z) and z >= 0):
         raise ValueError(f"z_loss: expected a finite float >= 0, got {z_loss!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float))
-                                or not (math.isfinite(softcap) and softcap > 0)):
+    if softcap is not None and (cap is None or not (math.isfinite(cap) and cap > 0)):
         raise ValueError(f"softcap: expected None or a finite float > 0, got {softcap!r}")
+    return reduction, index, smoothing, z, cap
 
 
 def _cannot_sync() -> bool:

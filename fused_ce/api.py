@@ -86,6 +86,11 @@ def prepare_targets(target: Tensor, vocab: int, *, ignore_index: int = -100) -> 
     return PreparedTargets(target, vocab, ignore_index)
 
 
+def _rows(x: Tensor) -> Tensor:
+    """``x (..., H)`` as an (N, H) matrix; also for H = 0 (where ``reshape(-1, 0)`` fails)."""
+    return x.reshape(x.shape[:-1].numel(), x.shape[-1])
+
+
 def _unpack_linear(linear_weight, linear_bias):
     if isinstance(linear_weight, nn.Linear):
         if linear_bias is not None:
@@ -111,13 +116,17 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _cast_for_autocast(tensors, device_type):
-    """Under autocast, ``F.linear`` runs in the autocast dtype; so do we. Outside it, operands
-    must share one dtype. Returns the tensors to compute with and the context to run the op in."""
+    """Under autocast, ``F.linear`` runs in the autocast dtype; so do we. Like autocast's own
+    casts, float64 operands stay float64 (all float64: the op runs in float64). The operands
+    (after the casts) must share one dtype. Returns the tensors to compute with and the context
+    to run the op in."""
     dtype = _autocast_dtype(device_type)
+    names = ("input", "linear_weight", "linear_bias")
     if dtype is None:
-        check.check_dtypes(dict(zip(("input", "linear_weight", "linear_bias"), tensors)))
+        check.check_dtypes(dict(zip(names, tensors)))
         return tensors, nullcontext()
-    cast = [None if t is None else t.to(dtype) for t in tensors]
+    cast = [t if t is None or t.dtype == torch.float64 else t.to(dtype) for t in tensors]
+    check.check_dtypes(dict(zip(names, cast)), dtype)
     return cast, torch.autocast(device_type, enabled=False)
 
 
@@ -237,8 +246,8 @@ def linear_cross_entropy(
             z_loss=z_loss, softcap=softcap, low_memory=low_memory, return_stats=return_stats,
             process_group=process_group)
     vocab = linear_weight.shape[0]
-    check.check_loss_options(target, input, vocab, weight, reduction, ignore_index,
-                             label_smoothing, z_loss, softcap)
+    reduction, ignore_index, label_smoothing, z_loss, softcap = check.check_loss_options(
+        target, input, vocab, weight, reduction, ignore_index, label_smoothing, z_loss, softcap)
     # (target values are checked by the op, at the backend's one host synchronization)
     if prepared_targets is not None:
         if not isinstance(prepared_targets, PreparedTargets):
@@ -247,14 +256,13 @@ def linear_cross_entropy(
         prepared_targets.check(target, vocab, ignore_index)
 
     (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
-    x = x.reshape(-1, x.shape[-1])
+    x = _rows(x)
     t = target.reshape(-1).long()
     valid = t != ignore_index
     acc = torch.promote_types(x.dtype, torch.float32)
     coefs, d_nll, divisor = _coefficients(t, valid, weight, vocab, reduction, label_smoothing,
                                           z_loss, acc)
     cw = None if weight is None else weight.to(acc)
-    softcap = None if softcap is None else float(softcap)
     with_ws = label_smoothing > 0
     with ctx:
         if reduction == "none" or low_memory:
@@ -304,5 +312,5 @@ def linear_log_softmax(input: Tensor, linear_weight: Union[Tensor, nn.Linear],
     check.check_linear(input, linear_weight, linear_bias)
     (x, w, b), ctx = _cast_for_autocast((input, linear_weight, linear_bias), input.device.type)
     with ctx:
-        out = ops.log_softmax(x.reshape(-1, x.shape[-1]), w, b)
+        out = ops.log_softmax(_rows(x), w, b)
     return out.reshape(*input.shape[:-1], w.shape[0])

@@ -65,7 +65,7 @@ from torch import Tensor
 from fused_ce import _validation as check
 from fused_ce import ops
 from fused_ce._dispatch import backend_for
-from fused_ce.api import _cast_for_autocast, _coefficients, _stats
+from fused_ce.api import _cast_for_autocast, _coefficients, _rows, _stats
 from fused_ce.reference import GradCoefs, accumulation_dtype, total_loss
 
 __all__ = ["VocabParallel", "vocab_parallel_cross_entropy", "shard_bounds"]
@@ -419,8 +419,8 @@ def vocab_parallel_cross_entropy(
     check.check_linear(x_local, w_local, b_local)
     # Everything but the class weights' length (which needs the global V) is checked before any
     # communication; with the same arguments on every rank, every rank raises alike.
-    check.check_loss_options(target, x_local, 1, None, reduction, ignore_index, label_smoothing,
-                             z_loss, softcap)
+    reduction, ignore_index, label_smoothing, z_loss, softcap = check.check_loss_options(
+        target, x_local, 1, None, reduction, ignore_index, label_smoothing, z_loss, softcap)
     if weight is not None:
         check.check_tensor("weight", weight)
         check.check_same_device({"input": x_local, "weight": weight})
@@ -429,7 +429,6 @@ def vocab_parallel_cross_entropy(
                              f"vocabulary, got {tuple(weight.shape)}")
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    softcap = None if softcap is None else float(softcap)
     options = (reduction, int(ignore_index), _bits(label_smoothing), _bits(z_loss),
                None if softcap is None else _bits(softcap), bool(return_stats),
                w_local is not None and b_local is not None, weight is not None)
@@ -438,7 +437,7 @@ def vocab_parallel_cross_entropy(
     check.check_target_values(target, vocab, ignore_index)
 
     (x, w, b), ctx = _cast_for_autocast((x_local, w_local, b_local), x_local.device.type)
-    x = x.reshape(-1, x.shape[-1])
+    x = _rows(x)
     t = target.reshape(-1).long()
     valid = t != ignore_index
     acc = accumulation_dtype(x.dtype)

@@ -31,13 +31,10 @@ class FusedCrossEntropy(nn.Module):
             if weight.dim() != 1:
                 raise ValueError(f"weight: expected class weights of shape (V,), got {tuple(weight.shape)}")
         # Options are checked here too, so a bad module fails at construction, not at step 1.
-        check.check_options(reduction, ignore_index, label_smoothing, z_loss, softcap)
+        (self.reduction, self.ignore_index, self.label_smoothing, self.z_loss,
+         self.softcap) = check.check_options(reduction, ignore_index, label_smoothing, z_loss,
+                                             softcap)
         self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
         self.low_memory = low_memory
         self.return_stats = return_stats
         self.process_group = process_group

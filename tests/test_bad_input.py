@@ -45,6 +45,9 @@ def test_ignore_index_inside_range_is_accepted_and_other_negative_rejected():
     (dict(softcap=-3), ValueError, "softcap"),
     (dict(z_loss=-1e-4), ValueError, "z_loss: expected a finite float >= 0"),
     (dict(ignore_index=1.5), TypeError, "ignore_index: expected an int"),
+    (dict(ignore_index=True), TypeError, "ignore_index: expected an int, got True"),
+    (dict(label_smoothing=torch.tensor([0.1, 0.2])), ValueError, "label_smoothing: expected a float"),
+    (dict(label_smoothing="0.1"), ValueError, "label_smoothing: expected a float.*got '0.1'"),
     (dict(input=torch.randn(4, 6, dtype=torch.float64)), TypeError, "input is torch.float64, linear_weight is torch.float32"),
     (dict(input=torch.randint(0, 3, (4, 6))), TypeError, "input: expected a floating-point tensor"),
     (dict(input=[[1.0]]), TypeError, "input: expected a torch.Tensor, got list"),
@@ -111,3 +114,22 @@ def test_prepared_targets_must_be_this_calls():
     t[0] = 1  # in place: the scan no longer describes it
     with pytest.raises(ValueError, match="prepared_targets: expected"):
         fused_ce.linear_cross_entropy(x, W, t, prepared_targets=prepared)
+
+
+def test_options_take_what_f_cross_entropy_takes():
+    """NumPy numbers and 0-d tensors as options (label_smoothing, ignore_index, z_loss,
+    softcap), as F.cross_entropy takes them: the same loss as with Python numbers, also for
+    the module, which stores them as Python numbers."""
+    np = pytest.importorskip("numpy")
+    x, W, t = _ok()
+    t[1] = 3
+    want = fused_ce.linear_cross_entropy(x, W, t, ignore_index=3, label_smoothing=0.25,
+                                         z_loss=1e-3, softcap=2.0)
+    for opts in (dict(ignore_index=np.int64(3), label_smoothing=np.float64(0.25),
+                      z_loss=np.float64(1e-3), softcap=np.float32(2.0)),
+                 dict(ignore_index=torch.tensor(3), label_smoothing=torch.tensor(0.25, dtype=torch.float64),
+                      z_loss=torch.tensor(1e-3, dtype=torch.float64), softcap=torch.tensor(2.0))):
+        assert torch.equal(fused_ce.linear_cross_entropy(x, W, t, **opts), want)
+        module = fused_ce.FusedCrossEntropy(**opts)
+        assert torch.equal(module(x, W, t), want)
+        assert type(module.ignore_index) is int and type(module.label_smoothing) is float

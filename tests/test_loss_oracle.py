@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import fused_ce
-from fused_ce import ops, reference
+from fused_ce import _dispatch, ops, reference
 from tests.oracle import assert_close, assert_grads_rounded_once, cross_entropy64, rel_err
 
 
@@ -368,6 +368,56 @@ def test_autocast_computes_in_autocast_dtype():
     oracle = cross_entropy64(x.bfloat16(), W.bfloat16(), t, bias=b.bfloat16())
     assert got.dtype == torch.float32 == want.dtype
     assert rel_err(got, oracle) < 1e-5
+
+
+def test_autocast_leaves_float64_as_torch_does():
+    """Autocast casts float32/16-bit operands only: all-float64 operands compute in float64
+    (F.linear's behaviour), loss and log-probabilities included; a float64 input with a float32
+    weight (cast to bf16) is a dtype error, as in F.linear."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(9, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(13, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 13, (9,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_ce.linear_cross_entropy(x, W, t)
+        logp = fused_ce.linear_log_softmax(x, W)
+        with pytest.raises(TypeError, match="under torch.autocast.*input is torch.float64, "
+                                            "linear_weight is torch.bfloat16"):
+            fused_ce.linear_cross_entropy(x, W.detach().float(), t)
+    want = F.cross_entropy(F.linear(x, W), t)
+    assert got.dtype == torch.float64 and logp.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp, F.log_softmax(F.linear(x, W), -1), rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (x, W)), torch.autograd.grad(want, (x, W))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_zero_hidden_size_matches_torch(reduction, low_memory, bias):
+    """H = 0: the logits are the bias alone (zeros without one); loss, log-probabilities and
+    the bias's gradient as torch's, empty input and weight gradients. The kernels hand H = 0 to
+    the PyTorch path (kernels._use_reference)."""
+    kernels = _dispatch._kernels()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(4, 0, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(7, 0, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, generator=g, dtype=torch.float64).mul(5).requires_grad_() if bias else None
+    t = torch.tensor([0, -100, 6, 3])
+    got = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, reduction=reduction,
+                                        low_memory=low_memory, label_smoothing=0.1)
+    want = F.cross_entropy(F.linear(x, W, b), t, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = [p for p in (x, W, b) if p is not None]
+    up = torch.rand(want.shape, generator=g, dtype=torch.float64)
+    for a, e in zip(torch.autograd.grad(got, params, up), torch.autograd.grad(want, params, up)):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused_ce.linear_log_softmax(x, W, b),
+                               F.log_softmax(F.linear(x, W, b), -1), rtol=1e-12, atol=1e-12)
+    if kernels is not None:
+        assert kernels._use_reference(x.float(), W.float())
 
 
 def test_empty_input_matches_torch():

@@ -67,7 +67,9 @@ def supports(x: Tensor) -> bool:
 
 
 def _use_reference(x: Tensor, weight: Tensor) -> bool:
-    return x.dtype == torch.float64 or weight.dtype == torch.float64
+    """fp64 (no fp64 tensor cores), and H = 0 (no product: the logits are the bias; the TMA
+    descriptors take no empty dimension) go to the PyTorch path."""
+    return x.dtype == torch.float64 or weight.dtype == torch.float64 or x.shape[-1] == 0
 
 
 def _row_stats(p: Problem, with_weighted_sum: bool, cf=None):
