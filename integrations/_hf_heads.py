@@ -14,13 +14,16 @@ How one training step flows through a patched model::
         FusedLMHead.forward   reads weight/bias now (FSDP has them unsharded inside this forward),
                               computes the fused loss and its statistics (return_stats=True: no
                               extra pass), returns a (..., 0) placeholder as "logits"
-      _FusedLossPostHook  puts the loss into the output (first field), logits=None, attaches the
-                          statistics as the plain attribute ``fused_ce_stats``, clears the _Call
+      _FusedLossPostHook  puts the loss into the output (first field; plus an MoE model's
+                          ``router_aux_loss_coef * aux_loss``, as its forward adds with labels),
+                          logits=None, attaches the statistics as the plain attribute
+                          ``fused_ce_stats``, clears the _Call
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Optional
 
@@ -40,6 +43,23 @@ STATS_ATTR = "fused_ce_stats"
 AUX_HEADS = (("next_sentence_label", "seq_relationship_logits"),
              ("sentence_order_label", "sop_logits"))
 
+# MoE causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, DBRX, Jamba, GraniteMoe, PhiMoE, JetMoe, ...):
+# called with ``output_router_logits`` (argument or config) their output carries the router
+# load-balancing loss ``aux_loss``, and when given labels their forward does
+# ``loss += coef * aux_loss.to(loss.device)``. Where ``coef`` is read from, relative to the model,
+# in the order tried (transformers 5.x): ``self.router_aux_loss_coef`` (most; DBRX copies its
+# ``config.ffn_config.moe_loss_weight`` there), ``self.aux_loss_coef`` (JetMoe),
+# ``self.config.router_aux_loss_coef``, ``self.config.text_config.router_aux_loss_coef``
+# (vision-language MoE heads). The patch-time check verifies the one found (hf._verify).
+ROUTER_COEF_PATHS = (("router_aux_loss_coef",), ("aux_loss_coef",),
+                     ("config", "router_aux_loss_coef"),
+                     ("config", "text_config", "router_aux_loss_coef"))
+
+
+def attr_path(obj, path):
+    """``obj.a.b.c`` for ``path == ("a", "b", "c")``."""
+    return functools.reduce(getattr, path, obj)
+
 
 class FusedLossSpec:
     """What the patch found out about the model at patch time (plain data, picklable).
@@ -52,19 +72,23 @@ class FusedLossSpec:
     scale_attr/op    config attribute holding a logit scale and whether the logits are
                      multiplied ('mul', Cohere) or divided ('div', Granite) by it, or None
     aux              (label kwarg, logits field) of a pretraining head's extra loss, or None
+    router_coef      attribute path (ROUTER_COEF_PATHS) of the coefficient of an MoE model's
+                     router ``aux_loss``, or None when the model has no such loss
     keep_logits      'eval' | 'always' | 'never'
     no_cache_with_labels  the model sets use_cache=False itself when given labels (BERT/RoBERTa
                      decoders); the fused path, which takes the labels away, passes it instead
     """
 
     def __init__(self, *, causal: bool, loss_kwargs: bool, softcap_attr: Optional[str],
-                 scale_attr: Optional[str], scale_op: Optional[str], aux, keep_logits: str):
+                 scale_attr: Optional[str], scale_op: Optional[str], aux, keep_logits: str,
+                 router_coef=None):
         self.causal = causal
         self.loss_kwargs = loss_kwargs
         self.softcap_attr = softcap_attr
         self.scale_attr = scale_attr
         self.scale_op = scale_op
         self.aux = aux
+        self.router_coef = router_coef
         self.keep_logits = keep_logits
         self.no_cache_with_labels = False
         self.force_fused = False  # only set (and reset) by the patch-time self-check
@@ -72,7 +96,8 @@ class FusedLossSpec:
     def __repr__(self):
         return (f"FusedLossSpec(causal={self.causal}, loss_kwargs={self.loss_kwargs}, "
                 f"softcap_attr={self.softcap_attr!r}, scale={self.scale_attr!r}/{self.scale_op!r}, "
-                f"aux={self.aux!r}, keep_logits={self.keep_logits!r}, "
+                f"aux={self.aux!r}, router_coef={self.router_coef!r}, "
+                f"keep_logits={self.keep_logits!r}, "
                 f"no_cache_with_labels={self.no_cache_with_labels})")
 
     def __getstate__(self):
@@ -265,10 +290,12 @@ class FusedLossPreHook:
 
 class FusedLossPostHook:
     """Model-level forward hook (``with_kwargs=True, always_call=True``): puts the fused loss into
-    the output, drops the placeholder logits, attaches the LM head's statistics to a ModelOutput
-    as the plain attribute ``fused_ce_stats`` (not a key: ``keys()``, ``to_tuple()`` and the
-    ``return_dict=False`` tuple are those of the unpatched model), and always clears the head's
-    pending call. Outputs of calls that did not take the fused path are returned untouched."""
+    the output (adding an MoE model's router aux loss as the model would), sets the placeholder
+    logits to None (so, as HF's ``to_tuple()`` drops None fields, the ``return_dict=False`` tuple
+    has no logits entry and the later entries move up one), attaches the LM head's statistics to
+    a ModelOutput as the plain attribute ``fused_ce_stats`` (not a key), and always clears the
+    head's pending call. Outputs of calls that did not take the fused path are returned
+    untouched."""
 
     def __init__(self, spec: FusedLossSpec):
         self.spec = spec
@@ -303,6 +330,18 @@ class FusedLossPostHook:
             label = call.aux_label.to(aux_logits.device)
             loss = loss + F.cross_entropy(aux_logits.reshape(-1, aux_logits.shape[-1]),
                                           label.reshape(-1))
+        router_aux = fields.get("aux_loss")
+        if router_aux is not None:
+            # The model computed its router load-balancing loss but, without labels, did not add
+            # it; add it as it would: its in-place ``loss += coef * aux_loss.to(loss.device)``
+            # keeps the LM loss's dtype. fused_ce_stats.loss stays the LM loss alone.
+            if getattr(self.spec, "router_coef", None) is None:  # (or pickled before it existed)
+                raise RuntimeError(
+                    f"fused_ce.patch_hf_model: {type(module).__name__} returned an aux_loss that "
+                    f"the patch-time check did not see, so its coefficient is unknown; unpatch "
+                    f"the model (fused_ce.unpatch_hf_model) to train it with that loss")
+            coef = attr_path(module, self.spec.router_coef)
+            loss = (loss + coef * router_aux.to(loss.device)).to(loss.dtype)
         for name, value in fields.items():
             if _placeholder_like(value, call.placeholder_shape):
                 fields[name] = None

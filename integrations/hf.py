@@ -23,13 +23,18 @@ Design (one generic mechanism, no copied HF forwards, no per-instance methods, n
   transform reproduced exactly (Gemma-2's ``final_logit_softcapping``, Cohere's ``logit_scale``,
   Granite's ``logits_scaling``), and the fused loss must equal the model's own loss with and
   without ``num_items_in_batch`` (which also tells whether the model honours it: HF's
-  ``loss_function`` does, BERT's plain ``CrossEntropyLoss`` does not). A model that fails is
+  ``loss_function`` does, BERT's plain ``CrossEntropyLoss`` does not). MoE models (forward takes
+  ``output_router_logits``) are checked with ``output_router_logits=True`` and their router
+  aux-loss coefficient set to ``_PROBE_ROUTER_COEF`` (restored after): the fused loss plus
+  ``coef * aux_loss`` must equal the model's loss, so a missing or mis-read term fails the check
+  whatever the model's own (often tiny) coefficient. A model that fails is
   refused with a ``ValueError`` naming the class and what differs, and is left unchanged.
   Models whose parameters are on the ``meta`` device cannot run that check and are refused.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import contextmanager
 
@@ -40,10 +45,12 @@ from fused_ce.integrations._hf_heads import (
     AUX_HEADS,
     CALL_ATTR,
     KEEP_LOGITS,
+    ROUTER_COEF_PATHS,
     FusedLMHead,
     FusedLossPostHook,
     FusedLossPreHook,
     FusedLossSpec,
+    attr_path,
     output_head,
 )
 
@@ -55,6 +62,9 @@ _SCALE_ATTRS = (("logit_scale", "mul"), ("logits_scaling", "div"))
 _SOFTCAP_ATTR = "final_logit_softcapping"
 
 _PROBE_SHAPE = (2, 8)
+# The router aux-loss coefficient the check sets (and restores): large enough that a missing or
+# mis-read term fails the check whatever the model's own coefficient (1e-3 in most configs).
+_PROBE_ROUTER_COEF = 0.625
 
 
 def _unwrap(model):
@@ -192,16 +202,54 @@ def _probe_inputs(model, head):
     return ids, labels
 
 
+def _takes_router_logits(model) -> bool:
+    """Whether the model's forward takes ``output_router_logits`` (an MoE model)."""
+    try:
+        return "output_router_logits" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _router_coef_path(model):
+    """The first of ROUTER_COEF_PATHS that holds a number on ``model``, or None."""
+    for path in ROUTER_COEF_PATHS:
+        try:
+            value = attr_path(model, path)
+        except AttributeError:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return path
+    return None
+
+
+@contextmanager
+def _probe_router_coef(model, path):
+    """The router aux-loss coefficient at ``path`` set to _PROBE_ROUTER_COEF, then restored."""
+    if path is None:
+        yield
+        return
+    owner, name = attr_path(model, path[:-1]), path[-1]
+    before = getattr(owner, name)
+    setattr(owner, name, _PROBE_ROUTER_COEF)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
 def _verify(model, head, spec, lowp):
     """The patch-time self-check (module docstring). Installs the patch on success; raises
     ValueError (model unchanged) on failure."""
     ids, labels = _probe_inputs(model, head)
+    # MoE models: every probe outputs the router aux loss, its coefficient set to the probe's
+    extra = {"output_router_logits": True} if _takes_router_logits(model) else {}
+    coef_path = _router_coef_path(model)
     calls = []
     tmp = head.register_forward_hook(lambda mod, args, out: calls.append((args[0], out)))
     try:
-        with _probe_mode(model):
+        with _probe_mode(model), _probe_router_coef(model, coef_path):
             try:
-                out_plain = model(input_ids=ids, labels=labels, return_dict=True)
+                out_plain = model(input_ids=ids, labels=labels, return_dict=True, **extra)
             except Exception as exc:  # noqa: BLE001 - reported to the user as the reason
                 raise _refuse(model, f"the patch-time check runs model(input_ids=..., labels=...) "
                                      f"and it raised {type(exc).__name__}: {exc}") from exc
@@ -213,7 +261,6 @@ def _verify(model, head, spec, lowp):
                 raise _refuse(model, f"it returns {type(out_plain).__name__}, expected a "
                                      f"ModelOutput")
             _check_logits(model, out_plain, head, calls[0][1], spec, lowp)
-            extra = {}
             for label_kw, field in AUX_HEADS:
                 if field in out_plain.keys():  # a pretraining head: its loss needs both labels
                     spec.aux = (label_kw, field)
@@ -223,6 +270,12 @@ def _verify(model, head, spec, lowp):
             loss_plain = out_plain.loss
             if loss_plain is None:
                 raise _refuse(model, "it computes no loss when called with labels")
+            if out_plain.get("aux_loss") is not None:  # an MoE model's router loss
+                if coef_path is None:
+                    names = ", ".join(".".join(path) for path in ROUTER_COEF_PATHS)
+                    raise _refuse(model, f"its output carries a router aux_loss but none of "
+                                         f"{names} holds the coefficient its loss adds it with")
+                spec.router_coef = coef_path
             n_valid = int((labels != -100).sum())
             num_items = torch.tensor(2 * n_valid + 1, device=ids.device)
             try:
@@ -269,9 +322,15 @@ def _verify(model, head, spec, lowp):
             if bad is not None:
                 unpatch_hf_model(model)
                 kind = "causal (shifted) LM" if spec.causal else "masked LM"
-                raise _refuse(model, f"the fused {kind} loss does not reproduce the model's own "
-                                     f"loss ({bad}); its loss is not a plain cross-entropy of the "
-                                     f"output embedding's logits")
+                what, plus = f"the fused {kind} loss", ""
+                if spec.router_coef is not None:
+                    coef = ".".join(spec.router_coef)
+                    what += (f" + {coef} * aux_loss (the router loss; {coef} set to "
+                             f"{_PROBE_ROUTER_COEF} for the check)")
+                    plus = " plus that router term"
+                raise _refuse(model, f"{what} does not reproduce the model's own loss ({bad}); "
+                                     f"its loss is not a plain cross-entropy of the output "
+                                     f"embedding's logits{plus}")
     except BaseException:
         if is_patched(model):
             unpatch_hf_model(model)
@@ -331,8 +390,14 @@ def patch_hf_model(model, *, keep_logits: str = "eval"):
     The loss equals the model's own: masked LMs (BERT family, ModernBERT) the mean cross-entropy
     over labels != -100; causal LMs (``model.can_generate()``) HF's ``ForCausalLMLoss`` (shift by
     one, ``shift_labels``, ``ignore_index``, ``num_items_in_batch``); BERT/ALBERT pretraining
-    heads add their next-sentence / sentence-order loss. ``return_dict=False`` gives a tuple with
-    the loss first. Labels must be passed as the ``labels=`` keyword (positional labels run the
+    heads add their next-sentence / sentence-order loss. MoE causal LMs (Mixtral, Qwen2/3-MoE,
+    OLMoE, DBRX, Jamba, GraniteMoe, PhiMoE, JetMoe, ...) add ``coef * out.aux_loss`` whenever the
+    call returns the router load-balancing loss (``output_router_logits`` as argument or in the
+    config), exactly as their forward does with labels, ``coef`` read at call time from where the
+    model reads it (``model.router_aux_loss_coef``; JetMoe ``model.aux_loss_coef``; VL MoE heads
+    ``model.config.text_config.router_aux_loss_coef``); a model that adds it any other way is
+    refused. ``return_dict=False`` gives a tuple with the loss first (see below for the other
+    positions). Labels must be passed as the ``labels=`` keyword (positional labels run the
     model unpatched). Models whose head does more than an ``nn.Linear`` (beyond a softcap or scale
     read from the config) are refused with a ``ValueError``.
 
@@ -340,10 +405,16 @@ def patch_hf_model(model, *, keep_logits: str = "eval"):
     and training mode or ``keep_logits`` ``"always"``/``"never"``) and returns a ``ModelOutput``,
     that output carries the head's :class:`fused_ce.LinearCrossEntropyStats` as the plain
     attribute ``fused_ce_stats``, computed in the same pass as the loss. It is not a key of the
-    output: ``keys()``, ``to_tuple()`` and indexing are exactly the unpatched model's. Calls that
-    run unpatched (no labels; eval mode with ``keep_logits="eval"``; a pretraining head without
-    its second label) return outputs with *no* such attribute, and ``return_dict=False`` tuples
-    never carry it, so read it with ``getattr(out, "fused_ce_stats", None)``. Fields:
+    output; apart from it the output is the unpatched model's with the logits set to ``None``.
+    A ``ModelOutput`` leaves ``None`` fields out of ``keys()``, ``to_tuple()`` and integer
+    indexing, so ``"logits"`` is not a key and every later position moves up one: Llama's
+    ``return_dict=False`` tuple in training is ``(loss, logits, cache)`` unpatched and
+    ``(loss, cache)`` patched, and ``out[1]`` of a patched ``ModelOutput`` is the cache. Where
+    positions matter, use ``return_dict=True`` and field names (``out.logits`` is ``None``), or
+    ``keep_logits="always"``, whose outputs keep the unpatched model's fields and positions. Calls
+    that run unpatched (no labels; eval mode with ``keep_logits="eval"``; a pretraining head
+    without its second label) return outputs with *no* such attribute, and ``return_dict=False``
+    tuples never carry it, so read it with ``getattr(out, "fused_ce_stats", None)``. Fields:
 
     * per token, with the shape of the labels the loss used (``labels``, or ``shift_labels`` when
       a causal LM is given them), no gradient: entry ``[..., t]`` is about the logits at position
@@ -359,9 +430,9 @@ def patch_hf_model(model, *, keep_logits: str = "eval"):
       none), a 0-dim tensor; ``num_items_in_batch`` does not change it. For gradient accumulation
       sum ``correct`` and the non-ignored counts over micro-batches instead.
     * ``loss``: the LM loss itself (the same tensor as ``out.loss``, with its gradient, including
-      the division by ``num_items_in_batch``), except for BERT/ALBERT pretraining heads, whose
-      stats are the masked-LM head's: ``out.loss`` adds the next-sentence / sentence-order loss,
-      ``fused_ce_stats.loss`` does not. ``z_loss`` is None.
+      the division by ``num_items_in_batch``), except where ``out.loss`` adds another term that
+      ``fused_ce_stats.loss`` does not: BERT/ALBERT pretraining heads' next-sentence /
+      sentence-order loss, MoE models' ``coef * aux_loss``. ``z_loss`` is None.
 
     The attribute lives on that output object only (no module keeps a reference; the model stays
     picklable). Wrappers that rebuild the output from its fields drop it (e.g. DDP with

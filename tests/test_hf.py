@@ -102,7 +102,19 @@ _BUILDERS = {
         **_llama_kw(tie_word_embeddings=tie, logit_scale=0.37))),
     "GraniteForCausalLM": lambda tie: T.GraniteForCausalLM(T.GraniteConfig(
         **_llama_kw(tie_word_embeddings=tie, logits_scaling=3.0))),
+    # MoE: the loss adds router_aux_loss_coef * aux_loss whenever the router logits are output
+    # (Qwen2-MoE by its config here: always; Mixtral only when called with the argument)
+    "MixtralForCausalLM": lambda tie, coef=0.02, router=False: T.MixtralForCausalLM(
+        T.MixtralConfig(**_moe_kw(tie, coef, router), num_local_experts=4, num_experts_per_tok=2)),
+    "Qwen2MoeForCausalLM": lambda tie, coef=0.02, router=True: T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(**_moe_kw(tie, coef, router), num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=24)),
 }
+
+
+def _moe_kw(tie, coef, router):
+    return dict(_llama_kw(tie_word_embeddings=tie), intermediate_size=32,
+                router_aux_loss_coef=coef, output_router_logits=router)
 
 
 def _modernbert_kw(tie):
@@ -118,9 +130,9 @@ MASKED_EXAMPLE = "BertForMaskedLM"
 CAUSAL_EXAMPLE = "LlamaForCausalLM"
 
 
-def build(name, tie=True, seed=0):
+def build(name, tie=True, seed=0, **kw):
     torch.manual_seed(seed)
-    model = _BUILDERS[name](tie)
+    model = _BUILDERS[name](tie, **kw)
     model.train()
     # random biases (zero at init) so that a mishandled bias shows
     with torch.no_grad():
@@ -352,6 +364,78 @@ def test_pretraining_without_next_sentence_label_is_unchanged():
     out = model(**kw)
     assert out_ref.loss is None and out.loss is None
     assert torch.allclose(out.prediction_logits, out_ref.prediction_logits)
+
+
+# ----------------------------------------------------------------------------- MoE router loss
+MOE = ["MixtralForCausalLM", "Qwen2MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("coef", [0.02, 1e-4])
+@pytest.mark.parametrize("router", ["argument", "config"])
+@pytest.mark.parametrize("name", MOE)
+def test_moe_router_aux_loss(name, router, coef):
+    """MoE causal LMs: with the router logits output (call argument or config) HF's forward adds
+    router_aux_loss_coef * aux_loss to the loss when given labels; so does the patched model: the
+    same loss and every gradient (the routers' included), -100 labels present. The term itself is
+    checked against fused_ce_stats.loss (the LM part alone), so a dropped term fails even at
+    coefficient 1e-4; the coefficient is read at call time, and none is added when the call
+    turns the router logits off."""
+    ref = build(name, coef=coef, router=router == "config")
+    model = fused_ce.patch_hf_model(copy.deepcopy(ref))
+    # the patch-time check sets the coefficient for its probe and puts it back
+    assert model.router_aux_loss_coef == model.config.router_aux_loss_coef == coef
+    kw = batch(ref)
+    if router == "argument":
+        kw["output_router_logits"] = True
+    out_ref, loss_ref, g_ref = run(ref, kw)
+    with NoLogits() as mode:
+        out, loss, g = run(model, kw)
+    assert not mode.seen and out.logits is None and out_ref.aux_loss is not None
+    assert torch.allclose(out.aux_loss, out_ref.aux_loss, rtol=1e-6, atol=0)
+    assert_close_loss(loss, loss_ref)
+    assert_grads_equal(g, g_ref)
+    term = loss - out.fused_ce_stats.loss.detach()
+    assert torch.allclose(term, coef * out.aux_loss.detach(), rtol=0, atol=1e-6), term
+    kw["output_router_logits"] = False  # no router logits: no aux loss, none added
+    out_ref, loss_ref, _ = run(ref, kw)
+    out, loss, _ = run(model, kw)
+    assert out.aux_loss is None and out_ref.aux_loss is None
+    assert_close_loss(loss, loss_ref)
+    for m in (ref, model):  # read at call time, also with num_items_in_batch
+        m.router_aux_loss_coef = 0.3
+    kw.update(output_router_logits=True, num_items_in_batch=torch.tensor(23))
+    assert_same_step(ref, model, kw)
+
+
+_MOE_COEF_ELSEWHERE = {
+    # self.aux_loss_coef
+    "JetMoeForCausalLM": lambda: T.JetMoeForCausalLM(T.JetMoeConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, aux_loss_coef=0.02)),
+    # self.router_aux_loss_coef = config.ffn_config.moe_loss_weight
+    "DbrxForCausalLM": lambda: T.DbrxForCausalLM(T.DbrxConfig(
+        d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V,
+        attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
+                        moe_loss_weight=0.02))),
+    # with the logits divided by logits_scaling
+    "GraniteMoeForCausalLM": lambda: T.GraniteMoeForCausalLM(T.GraniteMoeConfig(
+        **_moe_kw(True, 0.02, True), num_local_experts=4, num_experts_per_tok=2,
+        logits_scaling=3.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MOE_COEF_ELSEWHERE))
+def test_moe_families(name):
+    """Other MoE families: JetMoe keeps its coefficient as aux_loss_coef, DBRX as
+    ffn_config.moe_loss_weight (copied to router_aux_loss_coef), GraniteMoe scales its logits."""
+    torch.manual_seed(0)
+    ref = _MOE_COEF_ELSEWHERE[name]().train()
+    model = fused_ce.patch_hf_model(copy.deepcopy(ref))
+    kw = dict(batch(ref), output_router_logits=True)
+    out, _, _ = run(model, kw)
+    assert out.logits is None and out.aux_loss is not None
+    assert_same_step(ref, model, kw)
 
 
 # ----------------------------------------------------------------------------- keep_logits
@@ -691,17 +775,63 @@ REFUSED = {
         lambda: _ScaledLlama(T.LlamaConfig(**_llama_kw())),
         r"_ScaledLlama is not supported: its logits are not the output of its output embedding "
         r"\(get_output_embeddings\(\), Linear\(32 -> 97\)\): the model changes them"),
-    "Mixtral-router-aux-loss": (
-        lambda: T.MixtralForCausalLM(T.MixtralConfig(
-            **dict(_llama_kw(), intermediate_size=32), num_local_experts=4,
-            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)),
-        r"MixtralForCausalLM is not supported: the fused causal \(shifted\) LM loss does not "
-        r"reproduce the model's own loss"),
+    # a small coefficient: the check still sees the missing term (it probes with its own)
+    "router-aux-loss-not-added": (
+        lambda: _AuxNotAddedMixtral(T.MixtralConfig(
+            **_moe_kw(True, 1e-4, True), num_local_experts=4, num_experts_per_tok=2)),
+        r"_AuxNotAddedMixtral is not supported: the fused causal \(shifted\) LM loss \+ "
+        r"router_aux_loss_coef \* aux_loss \(the router loss; router_aux_loss_coef set to 0.625 "
+        r"for the check\) does not reproduce the model's own loss"),
+    "router-aux-coefficient-unknown": (
+        lambda: _OwnCoefMoeLM(),
+        r"_OwnCoefMoeLM is not supported: its output carries a router aux_loss but none of "
+        r"router_aux_loss_coef, aux_loss_coef, config.router_aux_loss_coef, "
+        r"config.text_config.router_aux_loss_coef holds the coefficient"),
     "tied-embedding-head": (
         lambda: _EmbeddingHeadLM(),
         r"_EmbeddingHeadLM is not supported: its output embedding \(get_output_embeddings\(\)\) "
         r"is a torch.nn.modules.sparse.Embedding, expected a plain torch.nn.Linear"),
 }
+
+
+class _AuxNotAddedMixtral(T.MixtralForCausalLM):
+    """Returns its router aux_loss but, unlike HF's MoE models, never adds it to the loss."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if labels is not None:
+            out.loss = self.loss_function(out.logits, labels, vocab_size=V)
+        return out
+
+
+class _OwnCoefMoeLM(nn.Module):
+    """A minimal MoE-style causal LM whose loss adds its aux_loss times a constant of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.router, self.lm_head = nn.Embedding(V, H), nn.Linear(H, 4), nn.Linear(H, V)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def can_generate(self):
+        return True
+
+    def forward(self, input_ids, labels=None, output_router_logits=None, **kwargs):
+        hidden = self.emb(input_ids)
+        logits = self.lm_head(hidden)
+        aux = self.router(hidden).softmax(-1).square().sum(-1).mean() if output_router_logits \
+            else None
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V),
+                                               labels[:, 1:].reshape(-1))
+            if aux is not None:
+                loss = loss + 0.01 * aux
+        return T.modeling_outputs.MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
 
 
 class _EmbeddingHeadLM(nn.Module):
@@ -726,9 +856,13 @@ def test_unsupported_heads_are_refused_and_left_unchanged(name):
     head_cls = type(model.get_output_embeddings())
     flags = [m.training for m in model.modules()]
     rng = torch.get_rng_state()
+    attrs = {k: v for k, v in vars(model).items() if isinstance(v, (int, float, str))}
+    config = model.config.to_dict() if hasattr(model, "config") else None
     with pytest.raises(ValueError, match=message):
         fused_ce.patch_hf_model(model)
     assert not fused_ce.is_patched(model)
+    assert attrs == {k: v for k, v in vars(model).items() if isinstance(v, (int, float, str))}
+    assert config == (model.config.to_dict() if hasattr(model, "config") else None)
     assert type(model.get_output_embeddings()) is head_cls
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert [m.training for m in model.modules()] == flags
