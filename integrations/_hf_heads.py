@@ -244,8 +244,10 @@ class FusedLossPreHook:
             else:
                 warnings.warn(
                     f"fused_ce: the output embedding of the patched {type(module).__name__} is "
-                    f"now a {type(head).__name__}, not an nn.Linear; computing the loss the "
-                    f"unfused way (re-patch or unpatch the model)", RuntimeWarning, stacklevel=2)
+                    f"now a {type(head).__module__}.{type(head).__qualname__} (e.g. a LoRA "
+                    f"wrapper), not a plain torch.nn.Linear; computing the loss the "
+                    f"unfused way (unpatch the model: fused_ce.unpatch_hf_model; a head that "
+                    f"is not a plain nn.Linear cannot be patched)", RuntimeWarning, stacklevel=2)
                 return None
         head.__dict__[CALL_ATTR] = None
         spec = self.spec
