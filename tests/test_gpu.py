@@ -38,7 +38,7 @@ def _inputs(n, h, v, dtype, *, bias=True, ignored=0.2, seed=None):
     g = torch.Generator(device="cuda")
     g.seed() if seed is None else g.manual_seed(seed)
     x = torch.randn(n, h, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(max(h, 1))).to(dtype)
     b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     t[torch.rand(n, device="cuda", generator=g) < ignored] = -100
@@ -605,6 +605,26 @@ def test_out_of_range_target_raises(grads, bad):
         loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b)
     ref = F.cross_entropy(F.linear(x.detach().double(), w.double(), b.double()), t)
     assert abs(loss.item() - ref.item()) / ref.item() <= LOSS_TOL
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_zero_hidden_size_and_float64_under_autocast(low_memory):
+    """Two cases the kernels hand to the PyTorch path on CUDA: H = 0 (the logits are the bias;
+    bf16) and float64 operands under CUDA autocast (which leaves float64 as it is): loss and
+    gradients as torch's."""
+    import fused_ce
+    for dtype, h, ctx in ((torch.bfloat16, 0, torch.autocast("cuda", enabled=False)),
+                          (torch.float64, 64, torch.autocast("cuda", dtype=torch.bfloat16))):
+        x, w, b, t = _inputs(37, h, 301, dtype)
+        params = [p.requires_grad_() for p in (x, w, b)]
+        with ctx:
+            got = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, low_memory=low_memory)
+        want = F.cross_entropy(F.linear(x.double(), w.double(), b.double()), t)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        for a, e in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+            assert a.shape == e.shape and a.dtype == dtype
+            torch.testing.assert_close(a.double(), e.double(), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("route", ["mean", "none", "low_memory"])
