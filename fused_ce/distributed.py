@@ -30,9 +30,10 @@ Contract
 Algorithm (per call, per rank)
 ------------------------------
 1. One all-gather of a few int64 per rank: shard size, rows, hidden size, a fingerprint of
-   ``target`` and of the options/class weights. Ranks that disagree raise the same ``ValueError``
-   on every rank (no hang). ``input`` itself is not compared (its values may legitimately differ in
-   the last bits between ranks; it only has to have the same shape).
+   ``target``, of each option (the compute dtype included) and of the class weights. Ranks that
+   disagree raise the same ``ValueError`` on every rank (no hang), naming what differs.
+   ``input`` itself is not compared (its values may legitimately differ in the last bits
+   between ranks; it only has to have the same shape).
 2. Pass 1: the backend's ``forward`` on the local shard with targets shifted by the shard offset
    (a target outside the shard means "no target column here") gives per-row local lse, target
    logit, class-weighted logit sum, max and argmax.
@@ -53,7 +54,6 @@ handles every upstream gradient (scalar or per row) with one code path.
 from __future__ import annotations
 
 import math
-import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
@@ -218,22 +218,19 @@ def _all_gather_packed(tensors: list[Tensor], group, world: int) -> list[Tensor]
     return result
 
 
-def _bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
-
-
 class _Meta(NamedTuple):
     sizes: list
     offset: int
     vocab: int
 
 
-_META_FIELDS = ("shard rows", "rows", "hidden", "target", "options", "weight length", "weight")
+_META_FIELDS = ("shard rows", "rows", "hidden", "target", "weight length", "weight")
 
 
-def _exchange_meta(x, w, t, class_weight, options: tuple, group, world: int, rank: int) -> _Meta:
-    """One small all-gather: shard sizes (-> offsets, global V) and consistency fingerprints.
-    Every rank sees the same table, so every rank raises the same error."""
+def _exchange_meta(x, w, t, class_weight, options: dict, group, world: int, rank: int) -> _Meta:
+    """One small all-gather: shard sizes (-> offsets, global V) and consistency fingerprints,
+    one per option of ``options`` (name -> this rank's value). Every rank sees the same table,
+    so every rank raises the same error."""
     dev = x.device
     n = t.numel()
     tl = t.reshape(-1).long()
@@ -241,7 +238,8 @@ def _exchange_meta(x, w, t, class_weight, options: tuple, group, world: int, ran
     # Exact integer fingerprint of the targets (wrapping int64 arithmetic is deterministic).
     t_fp = (tl * pos).sum() * 1_000_003 + tl.sum() if n else torch.zeros((), dtype=torch.long,
                                                                          device=dev)
-    opt_fp = zlib.crc32(repr(options).encode())
+    # (repr of a float round-trips exactly: equal fingerprints for equal values)
+    opt_fps = [zlib.crc32(repr(v).encode()) for v in options.values()]
     if class_weight is None:
         cw_n, cw_fp = -1, torch.full((), -1, dtype=torch.long, device=dev)
     else:
@@ -251,13 +249,15 @@ def _exchange_meta(x, w, t, class_weight, options: tuple, group, world: int, ran
                  ).reshape(1).view(torch.long)[0]
     local = torch.stack([
         torch.tensor(v, dtype=torch.long, device=dev) if not isinstance(v, Tensor) else v.to(dev)
-        for v in (w.shape[0], n, x.shape[-1], t_fp, opt_fp, cw_n, cw_fp)])
+        for v in (w.shape[0], n, x.shape[-1], t_fp, *opt_fps, cw_n, cw_fp)])
     out = local.new_empty(world * local.numel())
     _all_gather_flat(out, local, group)
     cols = list(zip(*out.view(world, -1).tolist()))
     sizes = list(cols[0])
     vocab = sum(sizes)
-    for i, name in enumerate(_META_FIELDS[1:], start=1):
+    # (the options before the class weights: a rank without them raises the options' error)
+    names = _META_FIELDS[:4] + tuple(options) + _META_FIELDS[4:]
+    for i, name in enumerate(names[1:], start=1):
         values = list(cols[i])
         if name == "weight length":
             if class_weight is not None and any(v != vocab for v in values):
@@ -269,6 +269,9 @@ def _exchange_meta(x, w, t, class_weight, options: tuple, group, world: int, ran
                     f"ranks 0..{world - 1}{hint}")
         elif len(set(values)) > 1:
             odd = [r for r in range(world) if values[r] != values[0]]
+            if name in options:
+                raise ValueError(_OPTION_MISMATCH.format(name=name, ranks=odd, rank=rank,
+                                                         value=options[name]))
             raise ValueError(_MISMATCH[name].format(values=values, ranks=odd))
     return _Meta(sizes, sum(sizes[:rank]), vocab)
 
@@ -281,12 +284,11 @@ _MISMATCH = {
               "hold shards of one head and see the same tokens; data-parallel batches need a "
               "data-parallel group, not this one, and an FSDP-sharded head must be read inside "
               "its module's forward), got different targets on ranks {ranks} than on rank 0",
-    "options": "expected the same loss options (reduction, ignore_index, label_smoothing, z_loss, "
-               "softcap, return_stats, bias/no bias, class weights or none) on every rank of "
-               "process_group, got different ones on ranks {ranks} than on rank 0",
     "weight": "weight: expected the same full (V,) class-weight vector on every rank of "
               "process_group, got different values on ranks {ranks} than on rank 0",
 }
+_OPTION_MISMATCH = ("{name}: expected the same value on every rank of process_group, got a "
+                    "different one on ranks {ranks} than on rank 0 (rank {rank} has {value!r})")
 
 
 # --------------------------------------------------------------------------- autograd
@@ -428,15 +430,18 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"weight: expected class weights of shape (V,) over the global "
                              f"vocabulary, got {tuple(weight.shape)}")
 
+    # (autocast's casts and the dtype check, local, before any communication)
+    (x, w, b), ctx = _cast_for_autocast((x_local, w_local, b_local), x_local.device.type)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    options = (reduction, int(ignore_index), _bits(label_smoothing), _bits(z_loss),
-               None if softcap is None else _bits(softcap), bool(return_stats),
-               w_local is not None and b_local is not None, weight is not None)
+    options = {"reduction": reduction, "ignore_index": ignore_index,
+               "label_smoothing": label_smoothing, "z_loss": z_loss, "softcap": softcap,
+               "return_stats": bool(return_stats), "linear_bias is None": b_local is None,
+               "weight is None": weight is None,
+               "the dtype of input, linear_weight and linear_bias (after autocast)": str(x.dtype)}
     meta = _exchange_meta(x_local, w_local, target, weight, options, group, world, rank)
     vocab, offset, v_local = meta.vocab, meta.offset, w_local.shape[0]
     check.check_target_values(target, vocab, ignore_index)
 
-    (x, w, b), ctx = _cast_for_autocast((x_local, w_local, b_local), x_local.device.type)
     x = _rows(x)
     t = target.reshape(-1).long()
     valid = t != ignore_index

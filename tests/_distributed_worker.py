@@ -424,8 +424,17 @@ def case_errors(ctx, seed):
            lambda: lce(x.reshape(-1, x.shape[-1])[:n], Wr, t.reshape(-1)[:n], linear_bias=br,
                        process_group=group))
     # different options
-    raises(ValueError, ["label_smoothing", "same loss options"],
+    raises(ValueError, ["label_smoothing: expected the same value on every rank", "ranks [1"],
            lambda: lce(x, Wr, t, linear_bias=br, label_smoothing=0.1 * (r > 0), process_group=group))
+    raises(ValueError, ["reduction: expected the same value", f"rank {r} has"],
+           lambda: lce(x, Wr, t, linear_bias=br, reduction="sum" if r else "mean",
+                       process_group=group))
+    raises(ValueError, ["linear_bias is None: expected the same value"],
+           lambda: lce(x, Wr, t, linear_bias=br if r else None, process_group=group))
+    # a different dtype on one rank: named, not a collective of mismatched sizes
+    raises(ValueError, ["the dtype of input, linear_weight and linear_bias", "torch.float"],
+           lambda: lce(x.double() if r else x, Wr.double() if r else Wr, t,
+                       linear_bias=br.double() if r else br, process_group=group))
     # a global target id out of range
     t_bad = t.clone()
     t_bad.view(-1)[1] = vocab
