@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import math
 import os
 import re
@@ -138,9 +139,19 @@ def _corpus_key(max_chars: int, seq_len: int, tok_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+class NotEnoughText(RuntimeError):
+    """The collected text makes too few blocks (the message says which flag to change)."""
+
+
+MIN_SEQ_LEN = 3   # [CLS], at least one token of text, [SEP]: the shortest block build_blocks makes
+
+
 def build_blocks(max_chars: int, seq_len: int, cache_dir: Path, log=print):
     """Token blocks ``(n, seq_len)``: [CLS] text [SEP], the paragraphs tokenized with the BERT
     WordPiece tokenizer, joined by [SEP] and cut into blocks. Cached in ``cache_dir``."""
+    if seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"seq_len: expected at least {MIN_SEQ_LEN} ([CLS], one token of text, "
+                         f"[SEP]), got {seq_len}")
     tok_dir = tokenizer_dir()
     cache = Path(cache_dir) / f"mlm_blocks_{_corpus_key(max_chars, seq_len, tok_dir)}.pt"
     if cache.is_file():
@@ -160,7 +171,8 @@ def build_blocks(max_chars: int, seq_len: int, cache_dir: Path, log=print):
     body = seq_len - 2
     n = len(stream) // body
     if n < 4:
-        raise RuntimeError(f"only {len(stream)} tokens of text found; raise --max-chars")
+        raise NotEnoughText(f"only {len(stream)} tokens of text found ({n} blocks of {seq_len} "
+                           f"tokens, at least 4 needed); raise --max-chars or lower --seq-len")
     tokens = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
     blocks = torch.cat([torch.full((n, 1), tokenizer.cls_token_id), tokens,
                         torch.full((n, 1), tokenizer.sep_token_id)], dim=1)
@@ -350,6 +362,69 @@ class StepRecorder(L.Callback):
         self.peaks.append(peak)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
+
+    def measurements(self) -> dict:
+        return {"losses": list(self.losses), "step_times": list(self.times),
+                "step_peaks": list(self.peaks), "memory_kind": self.memory_kind,
+                "memory_baseline": self.baseline, "device": self.device}
+
+
+# ------------------------------------------------------------------------------------ end of fit
+
+def training_record(trainer) -> dict:
+    """What the process that trained knows and the launching process needs to report the run:
+    the :class:`StepRecorder`'s measurements and the fused_ce callback's report (None without
+    one). JSON-serializable."""
+    import fused_ce
+
+    record = {"losses": [], "step_times": [], "step_peaks": [], "memory_kind": None,
+              "memory_baseline": None, "device": None, "report": None,
+              "global_step": int(trainer.global_step)}
+    for cb in trainer.callbacks:
+        if isinstance(cb, StepRecorder):
+            record.update(cb.measurements())
+        elif isinstance(cb, fused_ce.FusedCrossEntropyCallback) and record["report"] is None:
+            record["report"] = cb.report
+    return record
+
+
+def write_training_record(path, record: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_training_record(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise RuntimeError(f"the process that trained wrote no training record ({path}): the "
+                           f"launching process has no losses, step times or peak memory to "
+                           f"report")
+    return json.loads(path.read_text())
+
+
+class EndOfTraining(L.Callback):
+    """When training ends, in the process(es) that trained: every rank calls
+    ``trainer.save_checkpoint(checkpoint_path)`` (the strategy decides which ranks write; the
+    checkpoint has the optimizer, scheduler and loop state), and rank 0 writes its
+    :func:`training_record` to ``record_path`` (JSON).
+
+    Under ``ddp_spawn`` the training runs in spawned worker processes, and only the weights and
+    the logged metrics come back to the launching process: its copies of the callbacks never saw
+    a step, and its trainer holds no optimizer. So the checkpoint is saved here, in the worker,
+    and the launching process reads the record back with :func:`read_training_record`. Under the
+    other strategies rank 0 is the launching process, which has the same numbers in memory."""
+
+    def __init__(self, checkpoint_path, record_path):
+        self.checkpoint_path = str(checkpoint_path)
+        self.record_path = str(record_path)
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.checkpoint_path)
+        if trainer.global_rank == 0:
+            write_training_record(self.record_path, training_record(trainer))
 
 
 def median(xs):

@@ -13,7 +13,9 @@ tokens x vocab logits.
 ``--compare`` trains twice from the same seed, each run in its own process (so that each peak
 memory is its own): with the fused loss and with the model's plain loss. It prints the per-step
 losses side by side, step time and peak memory, and writes OUT/compare.png. Every run saves a
-checkpoint (OUT/<run>/last.ckpt) and proves that it reloads.
+checkpoint (OUT/<run>/last.ckpt) and proves that it reloads, and OUT/<run>/training_record.json
+(per-step losses, times and peak memory of rank 0): under --strategy ddp_spawn the training runs
+in spawned processes, and the launching process reports the run from that file.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -49,38 +53,98 @@ def missing_dependencies(compare: bool):
     return missing
 
 
+MIN_SEQ_LEN = 3   # [CLS], one token of text, [SEP]: the shortest block (_bert_mlm.MIN_SEQ_LEN)
+MAX_SEED = 2**32 - 1   # Lightning's seed_everything accepts 0 .. 2**32 - 1
+
+
+def _int_in(low: int, high: int = None, why: str = ""):
+    """argparse type: an integer in [low, high]; the error names the range (and ``why``) and the
+    value got (argparse prefixes the flag)."""
+    expected = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    expected += f" ({why})" if why else ""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _devices_arg(text):
+    """'auto', a number of devices >= 1, -1 (all of them) or a list of device indices (0,1)."""
+    if text == "auto" or text == "-1" or re.fullmatch(r"[1-9]\d*", text) or \
+            re.fullmatch(r"\d+(,\d+)*,", text) or re.fullmatch(r"\d+(,\d+)+", text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected 'auto', a number of devices >= 1, -1 (all) or a comma-separated list of "
+        f"device indices such as 0,1; got {text!r}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Train a BERT masked-LM with Lightning and fused_ce (offline).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False)   # --compare's runs get this command line minus --compare, verbatim
     p.add_argument("--preset", default="small",
                    choices=["tiny", "small", "bert-base", "bert-large"],
                    help="model/data size: small = CPU demo (default), bert-large = GPU, "
                         "tiny = smoke test")
-    p.add_argument("--max-steps", type=int, default=None, help="training steps (preset's default)")
-    p.add_argument("--batch-size", type=int, default=None, help="per device (preset's default)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per block (preset's default)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (preset's default)")
-    p.add_argument("--max-chars", type=int, default=None,
-                   help="characters of text to collect (preset's default)")
+    p.add_argument("--max-steps", type=_int_in(1), default=None,
+                   help="training steps, >= 1 (preset's default)")
+    p.add_argument("--batch-size", type=_int_in(1), default=None,
+                   help="blocks per batch per device, >= 1 (preset's default)")
+    p.add_argument("--seq-len", default=None,
+                   type=_int_in(MIN_SEQ_LEN, why="the shortest block: [CLS], one token of text, "
+                                                  "[SEP]"),
+                   help=f"tokens per block, >= {MIN_SEQ_LEN}: [CLS] text [SEP] (preset's default)")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help="peak learning rate, > 0 (preset's default)")
+    p.add_argument("--max-chars", type=_int_in(1), default=None,
+                   help="characters of text to collect, >= 1 (preset's default)")
     p.add_argument("--compare", action="store_true",
                    help="also run the same steps without the fused loss; print a side-by-side "
-                        "summary and write OUT/compare.png")
+                        "summary and write OUT/compare.png (not with --no-fused)")
     p.add_argument("--no-fused", action="store_true",
                    help="train without the callback (the model's plain loss)")
     p.add_argument("--out", default="runs/bert_mlm", help="output directory")
     p.add_argument("--accelerator", default="auto", help="Lightning accelerator (cpu, gpu, auto)")
-    p.add_argument("--devices", default="auto", help="Lightning devices (e.g. 1, 2, auto)")
+    p.add_argument("--devices", type=_devices_arg, default="auto",
+                   help="Lightning devices: auto, a number >= 1, -1 (all) or indices (0,1)")
     p.add_argument("--strategy", default="auto",
                    help="Lightning strategy (auto, ddp, ddp_spawn, fsdp, ...)")
     p.add_argument("--precision", default=None,
                    help="Lightning precision (default: bf16-mixed on CUDA, 32-true on CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-batches", type=int, default=4, help="held-out batches for validation")
+    p.add_argument("--seed", default=0,
+                   type=_int_in(0, MAX_SEED, why="Lightning's seed_everything range"),
+                   help=f"random seed, 0 to {MAX_SEED}")
+    p.add_argument("--val-batches", type=_int_in(1), default=4,
+                   help="held-out batches for validation, >= 1 (at most a tenth of the blocks "
+                        "are held out)")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument("--run-name", default=None, help=argparse.SUPPRESS)    # set by --compare
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # set by --compare
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compare and args.no_fused:
+        p.error("--compare and --no-fused cannot be combined: --compare itself trains one run "
+                "with the fused loss and one without it (--no-fused) and compares them; with "
+                "--no-fused both runs would use the plain loss. Use --no-fused alone for one "
+                "plain-loss run")
+    return args
 
 
 def settings(args):
@@ -129,8 +193,14 @@ def train(args, fused: bool):
                        heads=s["heads"], intermediate=s["intermediate"], seq_len=s["seq_len"],
                        lr=s["lr"], warmup=s["warmup"], max_steps=s["max_steps"], seed=args.seed,
                        pad_token_id=tokenizer.pad_token_id)
+    ckpt = run_dir / "last.ckpt"
+    # written by the process(es) that train (EndOfTraining): under ddp_spawn not this one
+    record_path = run_dir / "training_record.json"
+    if _launching_rank0():
+        for stale in (ckpt, record_path):
+            stale.unlink(missing_ok=True)
     recorder = lib.StepRecorder()
-    callbacks = [recorder]
+    callbacks = [recorder, lib.EndOfTraining(ckpt, record_path)]
     fused_cb = None
     if fused:
         import fused_ce
@@ -144,6 +214,18 @@ def train(args, fused: bool):
         enable_checkpointing=False, enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
         log_every_n_steps=max(1, min(10, s["max_steps"] // 5)), deterministic=False)
+    world = trainer.world_size
+    if train_blocks.shape[0] < s["batch_size"] * world:   # the loader drops incomplete batches
+        sys.exit(f"error: --batch-size {s['batch_size']} on {world} device(s) needs at least "
+                 f"{s['batch_size'] * world} training blocks; the text makes only "
+                 f"{train_blocks.shape[0]} blocks of {s['seq_len']} tokens (after "
+                 f"{val_blocks.shape[0]} held out): lower --batch-size or --seq-len, or raise "
+                 f"--max-chars")
+    maskable = s["batch_size"] * (s["seq_len"] - 2)     # [CLS] and [SEP] are never masked
+    if 0.85 ** maskable > 0.01:
+        _rank0_print(f"warning: a batch of {s['batch_size']} x {s['seq_len']} tokens has only "
+                     f"{maskable} maskable tokens: {0.85 ** maskable:.0%} of the batches get no "
+                     f"masked token, and their loss is nan; raise --batch-size or --seq-len")
     n_params = sum(p.numel() for p in task.parameters())
     _rank0_print(
         f"run '{run_name}': BertForMaskedLM {s['layers']}x{s['hidden']} ({n_params / 1e6:.1f} M "
@@ -155,28 +237,37 @@ def train(args, fused: bool):
     t0 = time.perf_counter()
     trainer.fit(task, train_dataloaders=train_loader)
     fit_s = time.perf_counter() - t0
+    if recorder.losses:       # this process trained (rank 0 of every strategy but ddp_spawn)
+        record = lib.training_record(trainer)
+    else:                     # ddp_spawn: the rank-0 worker's record, from its file
+        record = lib.read_training_record(record_path)
     val = trainer.validate(task, dataloaders=val_loader, verbose=False)[0]
 
-    ckpt = run_dir / "last.ckpt"
-    trainer.save_checkpoint(str(ckpt))
-    trainer.strategy.barrier("checkpoint saved")
     if trainer.global_rank != 0:
         return None
+    if not record["losses"]:
+        raise RuntimeError(f"run '{run_name}': training ran no step (global step "
+                           f"{record['global_step']})")
+    if not ckpt.is_file():
+        raise RuntimeError(f"run '{run_name}': no checkpoint was saved at {ckpt}")
+    # the weights in this process (under ddp_spawn: those the worker sent back) against the
+    # checkpoint the training process saved
     reload = check_checkpoint(lib, task, ckpt, val_loader)
-    world = trainer.world_size
     tokens_per_step = s["batch_size"] * s["seq_len"] * world
-    steady = recorder.times[min(3, len(recorder.times) - 1):]   # the first steps warm up
+    times = record["step_times"]
+    steady = times[min(3, len(times) - 1):]   # the first steps warm up
+    peaks = record["step_peaks"]
     result = {
         "run": run_name, "fused": fused, "preset": args.preset, "settings": s,
-        "precision": precision, "device": recorder.device,
+        "precision": precision, "device": record["device"], "strategy": args.strategy,
         "world_size": world, "parameters": n_params, "vocab": tokenizer.vocab_size,
-        "losses": recorder.losses, "step_times": recorder.times, "step_peaks": recorder.peaks,
-        "memory_kind": recorder.memory_kind, "memory_baseline": recorder.baseline,
-        "peak_memory": max(recorder.peaks) if recorder.peaks else None,
+        "losses": record["losses"], "step_times": times, "step_peaks": peaks,
+        "memory_kind": record["memory_kind"], "memory_baseline": record["memory_baseline"],
+        "peak_memory": max(peaks) if peaks else None,
         "median_step_s": lib.median(steady), "tokens_per_s": tokens_per_step / lib.median(steady),
         "fit_s": fit_s, "val_loss": float(val["val/loss"]),
         "val_accuracy": float(val["val/accuracy"]), "checkpoint": str(ckpt),
-        "reload": reload, "report": None if fused_cb is None else fused_cb.report,
+        "reload": reload, "report": record["report"],
         "data": {"chars": data["chars"], "paragraphs": data["paragraphs"],
                  "train_blocks": int(train_blocks.shape[0]), "sample": data["sample"]},
     }
@@ -206,8 +297,15 @@ def check_checkpoint(lib, task, ckpt: Path, val_loader) -> dict:
             "ok": bool(same and abs(a - b) <= 1e-4 * max(1.0, abs(a)))}
 
 
+def _launching_rank0() -> bool:
+    """This process is the one started from the command line (not a process that a Lightning
+    launcher started for another rank)."""
+    return (int(os.environ.get("LOCAL_RANK", "0")) == 0
+            and int(os.environ.get("NODE_RANK", "0")) == 0)
+
+
 def _rank0_print(*a):
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+    if _launching_rank0():
         print(*a, flush=True)
 
 
@@ -351,11 +449,16 @@ def main(argv=None):
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")      # everything here is local
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.compare:
-        summary = compare(args, argv)
-        return 0 if summary["equal"] and summary["fused"]["reload"]["ok"] and \
-            summary["baseline"]["reload"]["ok"] else 1
-    result = train(args, fused=not args.no_fused)
+    from _bert_mlm import NotEnoughText
+
+    try:
+        if args.compare:
+            summary = compare(args, argv)
+            return 0 if summary["equal"] and summary["fused"]["reload"]["ok"] and \
+                summary["baseline"]["reload"]["ok"] else 1
+        result = train(args, fused=not args.no_fused)
+    except NotEnoughText as exc:
+        sys.exit(f"error: {exc}")
     if result is not None and args.result_json:
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(json.dumps(result))
