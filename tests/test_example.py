@@ -94,10 +94,15 @@ def test_checkpoint_loads_into_a_fresh_module(compare_run):
     assert task.model.config.vocab_size == 30522
 
 
-def test_missing_dependency_is_a_clear_message(monkeypatch, capsys):
+def _load_script():
     spec = importlib.util.spec_from_file_location("train_bert_mlm_under_test", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_missing_dependency_is_a_clear_message(monkeypatch, capsys):
+    script = _load_script()
     real = importlib.util.find_spec
 
     def find_spec(name, *a, **k):
@@ -112,13 +117,6 @@ def test_missing_dependency_is_a_clear_message(monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------- command-line checks
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_bert_mlm_under_test", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
 
 def _load_lib():
     sys.path.insert(0, str(ROOT / "examples"))
