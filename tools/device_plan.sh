@@ -192,6 +192,13 @@ s41)  # the forty-first session's call: on an H200 the README's table (final37's
       *H200*) PART=final37 bash tools/device_plan.sh ;;
       *) tests; PART=clocks41 bash tools/device_plan.sh ;;
     esac ;;
+s41b)  # ~400 s, for a session's last device minutes: the GPU tests, then on an H200 the wide
+    # heads beside torch.compile (their H200 rows on current code), elsewhere clocks41
+    tests
+    case "$gpu" in
+      *H200*) wide 150 300 gemma2,llama3 fused_ce,compile,floor wide ;;
+      *) PART=clocks41 bash tools/device_plan.sh ;;
+    esac ;;
 clocks41)  # ~100 s (forty-first session, NOTES.md #110): fused_ce and torch.compile back to
     # back, four rounds alternating, with each method's mean SM clock and power draw over its
     # timed runs (nvidia-smi every 50 ms): whether fused_ce's per-step time above its GPU busy
