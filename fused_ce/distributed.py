@@ -224,9 +224,6 @@ class _Meta(NamedTuple):
     vocab: int
 
 
-_META_FIELDS = ("shard rows", "rows", "hidden", "target", "weight length", "weight")
-
-
 def _exchange_meta(x, w, t, class_weight, options: dict, group, world: int, rank: int) -> _Meta:
     """One small all-gather: shard sizes (-> offsets, global V) and consistency fingerprints,
     one per option of ``options`` (name -> this rank's value). Every rank sees the same table,
@@ -238,8 +235,6 @@ def _exchange_meta(x, w, t, class_weight, options: dict, group, world: int, rank
     # Exact integer fingerprint of the targets (wrapping int64 arithmetic is deterministic).
     t_fp = (tl * pos).sum() * 1_000_003 + tl.sum() if n else torch.zeros((), dtype=torch.long,
                                                                          device=dev)
-    # (repr of a float round-trips exactly: equal fingerprints for equal values)
-    opt_fps = [zlib.crc32(repr(v).encode()) for v in options.values()]
     if class_weight is None:
         cw_n, cw_fp = -1, torch.full((), -1, dtype=torch.long, device=dev)
     else:
@@ -247,18 +242,22 @@ def _exchange_meta(x, w, t, class_weight, options: dict, group, world: int, rank
         cw_n = class_weight.numel()
         cw_fp = (cwd.sum() + (cwd * torch.arange(cw_n, device=dev)).sum() * math.pi
                  ).reshape(1).view(torch.long)[0]
+    # The table's columns in the order they are checked (the options before the class weights:
+    # a rank without them raises the options' error); repr of a float round-trips exactly, so
+    # equal values give equal fingerprints.
+    fields = {"shard rows": w.shape[0], "rows": n, "hidden": x.shape[-1], "target": t_fp,
+              **{name: zlib.crc32(repr(v).encode()) for name, v in options.items()},
+              "weight length": cw_n, "weight": cw_fp}
     local = torch.stack([
         torch.tensor(v, dtype=torch.long, device=dev) if not isinstance(v, Tensor) else v.to(dev)
-        for v in (w.shape[0], n, x.shape[-1], t_fp, *opt_fps, cw_n, cw_fp)])
+        for v in fields.values()])
     out = local.new_empty(world * local.numel())
     _all_gather_flat(out, local, group)
     cols = list(zip(*out.view(world, -1).tolist()))
     sizes = list(cols[0])
     vocab = sum(sizes)
-    # (the options before the class weights: a rank without them raises the options' error)
-    names = _META_FIELDS[:4] + tuple(options) + _META_FIELDS[4:]
-    for i, name in enumerate(names[1:], start=1):
-        values = list(cols[i])
+    for name, values in list(zip(fields, cols))[1:]:
+        values = list(values)
         if name == "weight length":
             if class_weight is not None and any(v != vocab for v in values):
                 hint = (" (this rank's shard size: pass the full vector, targets are global ids)"
