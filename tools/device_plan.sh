@@ -186,12 +186,6 @@ prepared41)  # ~90 s (NOTES.md #110's test): fused_ce with and without its targe
     timeout 240 python3 tools/steps_back_to_back.py --shapes llama3,gemma2 \
       --methods fused_ce,fused_ce_prepared,compile --rounds 4 --steps 10 2>&1 \
       | grep -E "^(llama3|gemma2) " | tee "$OUT/prepared41.log" ;;
-s41)  # the forty-first session's call: on an H200 the README's table (final37's rows, ~450 s;
-    # PART=tests in a second call); elsewhere the GPU tests, then clocks41 (~350 s)
-    case "$gpu" in
-      *H200*) PART=final37 bash tools/device_plan.sh ;;
-      *) tests; PART=clocks41 bash tools/device_plan.sh ;;
-    esac ;;
 s41b)  # ~400 s, for a session's last device minutes: the GPU tests, then on an H200 the wide
     # heads beside torch.compile (their H200 rows on current code), elsewhere clocks41
     tests
