@@ -59,3 +59,25 @@ def test_backward_makes_no_zero_gradients_for_the_ops_other_outputs():
     assert tuple(w.shape) not in seen.shapes and tuple(x.shape) not in seen.shapes, seen.shapes
     want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w, b), t)
     assert torch.allclose(w.grad, torch.autograd.grad(want, w)[0], atol=1e-6)
+
+
+def test_memory_probe_sees_a_peak_below_an_earlier_one():
+    """The probe's baseline is the resident set when the measurement starts, not the process's
+    peak so far: an allocation smaller than an earlier, freed one still shows (Linux resets the
+    peak through /proc/self/clear_refs)."""
+    import sys
+
+    import pytest
+    import torch
+
+    from tests._memory_probe import peak_kib, start_peak_kib
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the peak reset is Linux's (/proc/self/clear_refs)")
+    big = torch.ones(96 * 2**20 // 4)  # 96 MiB, touched
+    del big
+    base = start_peak_kib()
+    small = torch.ones(48 * 2**20 // 4)  # 48 MiB
+    grown_mib = (peak_kib() - base) / 1024
+    del small
+    assert 40 <= grown_mib <= 64, grown_mib
