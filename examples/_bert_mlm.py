@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -291,8 +292,12 @@ class MLMTask(L.LightningModule):
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """The resident set now (Linux); elsewhere (macOS: no /proc) the process's peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return _process_peak_bytes()
 
 
 def _reset_peak_rss() -> bool:
@@ -306,6 +311,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _peak_rss_bytes() -> int:
+    """The peak RSS since the last reset (Linux), else the process's peak."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -313,9 +319,14 @@ def _peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return _process_peak_bytes()
+
+
+def _process_peak_bytes() -> int:
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class StepRecorder(L.Callback):
