@@ -15,8 +15,9 @@ from fused_ce.api import linear_cross_entropy, linear_log_softmax
 class FusedCrossEntropy(nn.Module):
     """Loss module: ``forward(input, linear_weight, target, linear_bias=None)`` ==
     ``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight=self.weight,
-    ignore_index=..., reduction=..., label_smoothing=...)`` plus ``z_loss``/``softcap``, computed
-    by :func:`fused_ce.linear_cross_entropy` without materializing the logits.
+    ignore_index=..., reduction=..., label_smoothing=...)`` plus ``z_loss``/``softcap`` (``input``
+    (N, H); other leading shapes count as their rows), computed by
+    :func:`fused_ce.linear_cross_entropy` without materializing the logits.
 
     ``weight`` (class weights) is registered as a buffer, like ``nn.CrossEntropyLoss``.
     """
