@@ -122,7 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fused", action="store_true",
                    help="train without the callback (the model's plain loss)")
     p.add_argument("--out", default="runs/bert_mlm", help="output directory")
-    p.add_argument("--accelerator", default="auto", help="Lightning accelerator (cpu, gpu, auto)")
+    p.add_argument("--accelerator", default="auto",
+                   help="Lightning accelerator: cpu, gpu, mps, ... or auto (default): the CUDA "
+                        "GPU(s) if there are any, else the CPU")
     p.add_argument("--devices", type=_devices_arg, default="auto",
                    help="Lightning devices: auto, a number >= 1, -1 (all) or indices (0,1)")
     p.add_argument("--strategy", default="auto",
@@ -169,6 +171,14 @@ def cuda_wanted(args) -> bool:
         args.accelerator == "auto" and torch.cuda.is_available())
 
 
+def accelerator(args) -> str:
+    """Lightning's accelerator: "auto" means CUDA where there is one, else the CPU (Lightning's
+    own "auto" would take Apple's MPS GPU on a Mac; pass --accelerator mps for that)."""
+    if args.accelerator == "auto":
+        return "gpu" if cuda_wanted(args) else "cpu"
+    return args.accelerator
+
+
 # --------------------------------------------------------------------------------- one run
 
 def train(args, fused: bool):
@@ -209,7 +219,7 @@ def train(args, fused: bool):
         callbacks.append(fused_cb)
     logger = L.loggers.CSVLogger(str(out), name=run_name, version="")
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=_devices(args.devices), strategy=args.strategy,
+        accelerator=accelerator(args), devices=_devices(args.devices), strategy=args.strategy,
         precision=precision, max_steps=s["max_steps"], callbacks=callbacks, logger=logger,
         enable_checkpointing=False, enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
