@@ -964,12 +964,15 @@ def test_stats_pass_row_losses(with_ws, class_weight, chunk_bytes, monkeypatch):
         assert (ours.row_loss[t == IGNORE] == 0).all()
 
 
-@pytest.mark.parametrize("what", ["all_ignored", "nonfinite", "ties", "low_memory_grads"])
+@pytest.mark.parametrize("what", ["all_ignored", "nonfinite", "capped_inf", "ties",
+                                  "low_memory_grads"])
 def test_stats_pass_cases(what, small_chunks, monkeypatch):
     """stats_pass.py on every row ignored (nothing computed, zeros and ignore_index), on NaN and
-    inf in x (they reach the row's lse, no other row's), on exact ties across vocabulary tiles
-    (the first column wins) and as the start of the memory-minimal gradient sweeps (with the
-    row losses from its finish kernel)."""
+    inf in x (they reach the row's lse, no other row's; with a softcap every logit of an inf row
+    is finite, and so is its lse and weighted sum, also at V not a multiple of the tile, whose
+    zero-padded columns see inf * 0), on exact ties across vocabulary tiles (the first column
+    wins) and as the start of the memory-minimal gradient sweeps (with the row losses from its
+    finish kernel)."""
     from fused_ce import ops
     from fused_ce.kernels import stats_pass
 
@@ -990,6 +993,14 @@ def test_stats_pass_cases(what, small_chunks, monkeypatch):
         out = kernels.forward(x, w, b, t, IGNORE, None, None)
         assert not torch.isfinite(out.lse[4]) and not torch.isfinite(out.lse[6])
         assert torch.isfinite(out.lse[[i for i in range(37) if i not in (4, 6)]]).all()
+    elif what == "capped_inf":
+        x[4, 7] = float("-inf")
+        x[6, 0] = float("inf")
+        out = kernels.forward(x, w, b, t, IGNORE, 2.0, cw, with_weighted_sum=True)
+        ref = reference.forward(*map(_d, (x, w, b)), t, IGNORE, 2.0, _d(cw),
+                                with_weighted_sum=True)
+        _check_stats(out, ref, t, 1e-5, (x, w, b, t, cw), 2.0)
+        assert torch.isfinite(out.weighted_sum).all() and torch.isfinite(out.lse).all()
     elif what == "ties":
         x = torch.randint(-2, 3, x.shape, generator=g).float()
         w = torch.randint(-2, 3, w.shape, generator=g).float()

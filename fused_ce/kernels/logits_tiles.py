@@ -155,7 +155,12 @@ def _tile_epilogue(z, rows, off_m, off_n, t, e_desc, bias_ptr, cw_ptr, M, V, m_p
             cw = tl.load(cw_ptr + cols, mask=in_v, other=0.0).to(tl.float32)
         else:
             cw = tl.where(in_v, 1.0, 0.0)
-        tl.store(ws_ptr + stat, tl.sum(z * cw[None, :], 1), mask=in_m)
+        zw = z * cw[None, :]
+        if HAS_SOFTCAP:
+            # an inf in x makes the zero-padded columns' z nan (inf * 0); without a cap the row's
+            # loss is nan anyway, with one it is finite (F.cross_entropy's), so drop them
+            zw = tl.where(in_v[None, :], zw, 0.0)
+        tl.store(ws_ptr + stat, tl.sum(zw, 1), mask=in_m)
     z = tl.where(in_v[None, :], z, float("-inf"))
     # a NaN anywhere makes the tile's sum NaN (exp(NaN)), hence the row's lse (m_t and its
     # column may then be the NaN's: the reduction's order decides)
