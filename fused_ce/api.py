@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import nullcontext
 from typing import NamedTuple, Optional, Union
@@ -162,6 +163,10 @@ def _coefficients(target: Tensor, valid: Tensor, class_weight: Optional[Tensor],
         d_nll = w_t.sum()
         divisor = (d_nll.clamp_min(1) if class_weight is None
                    else torch.where(d_nll == 0, 1.0, d_nll))
+        if class_weight is not None:
+            # valid rows whose class weights sum to 0: torch's mean is 0/0 and so are their
+            # gradients (nan; the ignored rows' stay 0): their coefficients carry that nan
+            w_t = torch.where(valid & (d_nll == 0), math.nan, w_t)
         if z_loss:  # its mean over the valid rows, times the divisor the loss then gets
             d_z = valid_f.sum() / divisor
     # w_t is 0 on ignored rows; a term that is off (no smoothing, no z-loss) gets exact zeros
@@ -295,7 +300,9 @@ def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=None
         if loss.dim() > 0:
             z_term = z_rows.reshape(shape)
         else:
-            z_term = z_rows.sum() if divisor is None else z_rows.sum() / divisor
+            z_term = z_rows.sum()
+            if divisor is not None:  # 'mean' over the valid rows: nan without one, as the loss
+                z_term = z_term / divisor + torch.where(valid.any(), 0.0, math.nan)
     return LinearCrossEntropyStats(loss, lse.reshape(shape), argmax.reshape(shape),
                                    correct.reshape(shape), accuracy, z_term)
 

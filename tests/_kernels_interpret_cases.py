@@ -716,6 +716,28 @@ def test_all_rows_ignored(grad_path):
     assert (out.argmax == IGNORE).all()
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_class_weights_summing_to_zero_give_torchs_nans(grad_path, low_memory):
+    """'mean' with class weights that sum to 0 over the valid targets: torch's loss is 0/0 and
+    so are the valid rows' gradients (nan); the ignored rows' dx stays 0 (the public API: the
+    nan comes in through the coefficients)."""
+    import fused_ce
+
+    g = _gen()
+    x, w, b, t, _ = _inputs(13, 70, 41, torch.float32, out_of_shard=False, g=g)
+    cw = torch.ones(41)
+    cw[t[t != IGNORE]] = 0
+    for p in (x, w, b):
+        p.requires_grad_(True)
+    loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, z_loss=1e-3,
+                                         label_smoothing=0.1, low_memory=low_memory)
+    loss.backward()
+    valid = t != IGNORE
+    assert loss.isnan() and 0 < valid.sum() < 13
+    assert x.grad[valid].isnan().all() and (x.grad[~valid] == 0).all()
+    assert w.grad.isnan().all() and b.grad.isnan().all()
+
+
 def test_argmax_ties_take_first_column(grad_path):
     """Small-integer inputs make every logit exact in any summation order, so ties are real
     ties (many of them, within a tile and across tiles and vocabulary splits): the first column

@@ -588,6 +588,43 @@ def test_nonfinite_propagates(bad, path):
     assert not torch.isfinite(out.dx[7]).all()
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_inf_input_with_softcap_and_smoothing_gives_a_finite_loss(reduction):
+    """With a softcap every logit of a row holding an inf is finite (+-c), so F.cross_entropy's
+    loss is finite, with label smoothing too: the statistics pass (no gradients) must not turn
+    the zero-padded columns' inf * 0 into a nan (V = 30001, not a multiple of the tile)."""
+    import fused_ce
+    x, w, b, t = _inputs(512, 256, 30001, torch.bfloat16, ignored=0.1)
+    x[7, 3] = float("-inf")
+    t[7] = 11
+    with torch.no_grad():
+        got = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, softcap=2.0,
+                                            label_smoothing=0.1, reduction=reduction)
+    z = 2.0 * torch.tanh(F.linear(x.double(), w.double(), b.double()) / 2.0)
+    want = F.cross_entropy(z, t, label_smoothing=0.1, reduction=reduction)
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) <= LOSS_TOL
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_class_weights_summing_to_zero_give_torchs_nans(low_memory):
+    """'mean' with class weights that sum to 0 over the valid targets: torch's loss is 0/0 and
+    so are the valid rows' gradients (nan); the ignored rows' dx stays 0."""
+    import fused_ce
+    x, w, b, t = _inputs(300, 256, 3001, torch.bfloat16, ignored=0.3)
+    cw = torch.ones(3001, device="cuda", dtype=torch.bfloat16)
+    cw[t[t != -100]] = 0
+    for p in (x, w, b):
+        p.requires_grad_(True)
+    loss = fused_ce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw,
+                                         low_memory=low_memory)
+    loss.backward()
+    valid = t != -100
+    assert loss.isnan()
+    assert x.grad[valid].isnan().all() and (x.grad[~valid] == 0).all()
+    assert w.grad.isnan().all() and b.grad.isnan().all()
+
+
 @pytest.mark.parametrize("grads", [False, True])
 @pytest.mark.parametrize("bad", [-3, 30522])
 def test_out_of_range_target_raises(grads, bad):

@@ -432,6 +432,43 @@ def test_empty_input_matches_torch():
     assert fused_ce.linear_cross_entropy(x, W, t, reduction="none").shape == (0,)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.1, 0.01)])
+def test_class_weights_summing_to_zero_match_torch(reduction, low_memory, label_smoothing,
+                                                   z_loss):
+    """Class weights that are 0 on every valid target: 'mean' is 0/0 in torch, nan for the loss
+    and for the valid rows' gradients (the ignored rows' stay 0); 'sum' and 'none' are finite.
+    The same nans, in the same places, and the same numbers elsewhere."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    b = (torch.randn(11, generator=g, dtype=torch.float64) * 30).requires_grad_()
+    t = torch.tensor([0, 3, -100, 3, 5, -100, 0, 5, 3])
+    cw = torch.rand(11, generator=g, dtype=torch.float64)
+    cw[[0, 3, 5]] = 0
+    opts = dict(weight=cw, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
+    got = fused_ce.linear_cross_entropy(x, W, t, linear_bias=b, low_memory=low_memory, **opts)
+    want = cross_entropy64(x, W, t, bias=b, class_weight=cw, **{
+        k: v for k, v in opts.items() if k != "weight"})
+    upstream = torch.rand(got.shape, generator=g, dtype=torch.float64) + 0.5
+    grads = torch.autograd.grad(got, (x, W, b), upstream)
+    wants = torch.autograd.grad(want, (x, W, b), upstream)
+    for name, ours, theirs in zip(("loss", "dx", "dW", "db"), (got,) + grads, (want,) + wants):
+        assert torch.equal(ours.isnan(), theirs.isnan()), name
+        assert torch.allclose(ours.nan_to_num(), theirs.nan_to_num(), rtol=1e-10, atol=1e-12), name
+    assert got.isnan().all() == (reduction == "mean")
+
+
+def test_z_loss_statistic_of_a_mean_over_no_token_is_nan_as_the_loss():
+    x, W = torch.randn(3, 8), torch.randn(5, 8)
+    t = torch.full((3,), -100)
+    s = fused_ce.linear_cross_entropy(x, W, t, z_loss=0.1, return_stats=True)
+    assert s.loss.isnan() and s.z_loss.isnan()
+    s = fused_ce.linear_cross_entropy(x, W, t, z_loss=0.1, return_stats=True, reduction="sum")
+    assert s.loss.item() == 0 and s.z_loss.item() == 0
+
+
 def test_second_backward_through_same_graph_is_refused():
     x = torch.randn(5, 6, requires_grad=True)
     W = torch.randn(8, 6, requires_grad=True)
