@@ -268,6 +268,16 @@ gradlogits_ab)  # ~300 s: low_memory by the row blocks (its default) and in one 
       | tee "$OUT/ab_gradlogits.log"
     PROFILE_METHODS=fused_ce_lowmem_one_sweep,fused_ce_lowmem PART=lowmem_profile \
       bash tools/device_plan.sh ;;
+s42)  # ~450 s, the forty-second session's plan for the next call: the GPU tests (two new ones
+    # from its fuzz fixes), the softcap tanh probe on CUDA (NOTES.md #112), then on an H200 the
+    # README's table (final37's rows), elsewhere clocks41 (#110)
+    tests
+    timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
+      | tee "$OUT/softcap_tanh.log"
+    case "$gpu" in
+      *H200*) wide 230 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,cce,floor wide ;;
+      *) PART=clocks41 bash tools/device_plan.sh ;;
+    esac ;;
 lowmem_profile)  # ~80 s: where low_memory's time goes at the wide heads, kernel by kernel
     timeout 120 python3 tools/profile_kernels.py --shapes llama3,gemma2 \
       --methods ${PROFILE_METHODS:-fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks} 2>&1 \
