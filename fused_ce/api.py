@@ -210,7 +210,8 @@ def linear_cross_entropy(
                         label_smoothing=label_smoothing)
 
     for ``input`` (N, H) and ``target`` (N,) (other leading shapes count as their rows:
-    ``input.reshape(-1, H)``, ``target.reshape(-1)``), computed in row chunks with fp32 accumulation (fp64 for fp64 inputs), plus two options:
+    ``input.reshape(-1, H)``, ``target.reshape(-1)``), computed in row chunks with fp32
+    accumulation (fp64 for fp64 inputs), plus two options:
 
     * ``softcap=c``: the logits become ``c * tanh(logits / c)`` after the bias (Gemma-2).
     * ``z_loss=s``: adds ``s * logsumexp(logits)**2`` for every non-ignored token, reduced like
