@@ -272,7 +272,7 @@ s42)  # ~450 s, the forty-second session's plan for the next call: the GPU tests
     # from its fuzz fixes), the softcap tanh probe on CUDA (NOTES.md #112), then on an H200 the
     # README's table (final37's rows), elsewhere clocks41 (#110)
     tests
-    timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
+    PYTHONPATH=. timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
       | tee "$OUT/softcap_tanh.log"
     case "$gpu" in
       *H200*) wide 230 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,cce,floor wide ;;
