@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from fused_ce import _validation as check
 from fused_ce import ops
-from fused_ce.reference import GradCoefs, total_loss
+from fused_ce.reference import GradCoefs, mean_from_sum, total_loss
 
 
 class LinearCrossEntropyStats(NamedTuple):
@@ -301,9 +301,9 @@ def _stats(loss, lse, argmax, t, valid, coefs, shape, z_loss, divisor=None
         if loss.dim() > 0:
             z_term = z_rows.reshape(shape)
         else:
-            z_term = z_rows.sum()
-            if divisor is not None:  # 'mean' over the valid rows: nan without one, as the loss
-                z_term = z_term / divisor + torch.where(valid.any(), 0.0, math.nan)
+            # 'mean' over the valid rows: nan without one, as the loss
+            z_term = (z_rows.sum() if divisor is None
+                      else mean_from_sum(z_rows.sum(), valid.sum(), divisor))
     return LinearCrossEntropyStats(loss, lse.reshape(shape), argmax.reshape(shape),
                                    correct.reshape(shape), accuracy, z_term)
 

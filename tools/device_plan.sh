@@ -268,9 +268,9 @@ gradlogits_ab)  # ~300 s: low_memory by the row blocks (its default) and in one 
       | tee "$OUT/ab_gradlogits.log"
     PROFILE_METHODS=fused_ce_lowmem_one_sweep,fused_ce_lowmem PART=lowmem_profile \
       bash tools/device_plan.sh ;;
-s42)  # ~450 s, the forty-second session's plan for the next call: the GPU tests (two new ones
-    # from its fuzz fixes), the softcap tanh probe on CUDA (NOTES.md #112), then on an H200 the
-    # README's table (final37's rows), elsewhere clocks41 (#110)
+s42)  # ~500 s on an H200, ~210 s elsewhere: the GPU tests (two new ones from the forty-second
+    # session's fuzz fixes), the softcap tanh probe on CUDA (NOTES.md #112), then on an H200 the
+    # wide heads' rows with their peers (final37's), elsewhere clocks41 (#110)
     tests
     PYTHONPATH=. timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
       | tee "$OUT/softcap_tanh.log"
