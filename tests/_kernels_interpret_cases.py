@@ -14,6 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernel
 from fused_ce import kernels, reference  # noqa: E402
 from fused_ce.kernels import config, row_chunks  # noqa: E402
 from fused_ce.reference import GradCoefs  # noqa: E402
+from tests._tanh_check import check_tanh  # noqa: E402
 
 IGNORE = -100
 # tolerances against the fp64 oracle on the same (rounded) inputs
@@ -905,6 +906,12 @@ def test_logits_tiles_path(n, h, v, bias, class_weight, budget, split, softcap, 
     _check_stats(ours, ref, t, 1e-5, (x, w, b, t, cw), softcap)
     _check_grads(ours, ref._asdict(), x, w, b, 1e-5, (True, True, True))
     assert (ours.dx[t == IGNORE] == 0).all()
+
+
+def test_tanh_keeps_its_relative_precision():
+    """The kernels' tanh (the softcap's) within a few fp32 ulps of its own value everywhere
+    (tests/_tanh_check.py), under the interpreter."""
+    check_tanh("cpu", ulps=4)
 
 
 def test_softcap_with_label_smoothing_takes_the_fp32_logits_path(monkeypatch):

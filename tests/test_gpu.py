@@ -210,6 +210,13 @@ def test_low_memory_one_sweep_backward_vs_fp64(h, v, monkeypatch):
         assert p.grad.dtype == torch.bfloat16 and _rel(p.grad, r.grad) <= bound
 
 
+def test_tanh_keeps_its_relative_precision():
+    """The softcap's tanh within a few fp32 ulps of its own value on CUDA (tests/_tanh_check.py;
+    CUDA's exp and division are approximate to ~2 ulps, hence 8 where the interpreter takes 4)."""
+    from tests._tanh_check import check_tanh
+    check_tanh("cuda", ulps=8)
+
+
 @pytest.mark.parametrize("h,softcap,multi", [(1024, 30.0, False), (1024, 2.0, True),
                                              (2304, 30.0, True)])
 def test_epilogue_path_with_softcap_vs_fp64(h, softcap, multi, monkeypatch):

@@ -45,10 +45,10 @@ stats_stages_ab() { STEPS=tiles_cfg TILES_ROUNDS=$1 TILES_SHAPES=bert16k_eval,ll
 # GPU tests of tests/test_gpu.py matching $2 within $1 s, the tail kept as $3.log
 gpu_tests_k() { HF_HUB_OFFLINE=1 timeout $1 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py -k "$2" 2>&1 | grep -v Warn | tail -4 | tee "$OUT/$3.log"; }
-# low_memory in this tree and ab_prev, new prev new prev (the floor in the first round), each
-# run within $1 s at AB_SHAPES (default $2), kept as $3.log
+# low_memory (or AB_METHODS) in this tree and ab_prev, new prev new prev (the floor in the
+# first round), each run within $1 s at AB_SHAPES (default $2), kept as $3.log
 lowmem_ab() { r=0; for v in new prev new prev; do d=.; [ $v = prev ] && d=ab_prev
-    m=fused_ce_lowmem; r=$((r + 1)); [ $r = 1 ] && m=fused_ce_lowmem,floor; echo "== $v"
+    m=${AB_METHODS:-fused_ce_lowmem}; r=$((r + 1)); [ $r = 1 ] && m=$m,floor; echo "== $v"
     timeout $1 python3 $d/benchmarks/bench.py --out /tmp/ab --rep-ms 200 --warmup-ms 50 \
       --warmup-steps 2 --shapes ${AB_SHAPES:-$2} --methods $m 2>&1 \
       | grep -E "^(llama3|gemma2|bert8k|bert16k|mlm|qwen05b) " | sort -u; done \
@@ -278,6 +278,14 @@ s42)  # ~500 s on an H200, ~210 s elsewhere: the GPU tests (two new ones from th
       *H200*) wide 230 300 gemma2,llama3 fused_ce,fused_ce_lowmem,compile,liger,cce,floor wide ;;
       *) PART=clocks41 bash tools/device_plan.sh ;;
     esac ;;
+s43)  # ~450 s (forty-third session, NOTES.md #112): the GPU tests (the softcap tanh's among
+    # them), the softcap probe on CUDA, then fused_ce and low_memory at Gemma-2's softcapped
+    # head in this tree and ab_prev (7a2ef27, tanh before its Taylor branch: mkdir ab_prev &&
+    # git archive 7a2ef27 fused_ce benchmarks/bench.py | tar -x -C ab_prev), new prev new prev
+    tests
+    PYTHONPATH=. timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
+      | tee "$OUT/softcap_tanh.log"
+    AB_METHODS=fused_ce,fused_ce_lowmem lowmem_ab 70 gemma2 ab_tanh ;;
 lowmem_profile)  # ~80 s: where low_memory's time goes at the wide heads, kernel by kernel
     timeout 120 python3 tools/profile_kernels.py --shapes llama3,gemma2 \
       --methods ${PROFILE_METHODS:-fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks} 2>&1 \
