@@ -286,6 +286,9 @@ s43)  # ~450 s (forty-third session, NOTES.md #112): the GPU tests (the softcap 
     PYTHONPATH=. timeout 60 python3 tools/probe_softcap_tanh.py --device cuda 2>&1 | grep "^cap" \
       | tee "$OUT/softcap_tanh.log"
     AB_METHODS=fused_ce,fused_ce_lowmem lowmem_ab 70 gemma2 ab_tanh ;;
+s43b)  # ~300 s, s43 for a short budget: the GPU tests with a softcap, then its A/B
+    gpu_tests_k 120 "softcap or tanh" tests_softcap
+    AB_METHODS=fused_ce,fused_ce_lowmem lowmem_ab 55 gemma2 ab_tanh ;;
 lowmem_profile)  # ~80 s: where low_memory's time goes at the wide heads, kernel by kernel
     timeout 120 python3 tools/profile_kernels.py --shapes llama3,gemma2 \
       --methods ${PROFILE_METHODS:-fused_ce_lowmem_one_sweep,fused_ce_lowmem_blocks} 2>&1 \
